@@ -1,0 +1,40 @@
+# Two commands matter: `make demo` and `make test`. Both create/update .venv and install everything.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install sysdeps test demo lint clean
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# No NVIDIA GPU: take the CPU build of torch (a local wheel if pip knows one, else PyTorch's CPU index),
+	@# so that the CUDA build (several GB) is never pulled in.
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/pip install -q --no-index torch==2.13.0 2>/dev/null || \
+	  $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; fi
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+# Stock tools the tests compare against (tar, lz4, fio); installed when missing and we are root.
+sysdeps:
+	@missing=""; for t in lz4 fio; do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing$$missing"; (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null; \
+	  else echo "note: missing$$missing (tests that compare against them will skip)"; fi; fi
+
+test: $(STAMP) sysdeps
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/python -m tools.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check datapipe train storage tools tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache demo-out

@@ -1,0 +1,85 @@
+"""The `storage` command: inspect and verify datasets (and, as they land, loader and I/O benchmarks)."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from storage import fs
+from storage.dataset import Dataset
+from storage.manifest import read_manifest
+from storage.shards import ShardError, iter_shard, parse_index
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Dataset format tools and storage benchmarks for smoltrain."""
+
+
+@main.command()
+@click.argument("dataset")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
+def inspect(dataset: str, as_json: bool) -> None:
+    """Summarise DATASET (path or fsspec URL): sources, shards, blocks, documents, tokens, dtype, mix."""
+    import json
+
+    m = read_manifest(dataset)
+    if as_json:
+        rows = {n: {"shards": len(s.shards), "blocks": sum(x.blocks for x in s.shards), "documents": s.documents,
+                    "tokens": s.tokens, "bytes": sum(x.bytes for x in s.shards)} for n, s in m.sources.items()}
+        click.echo(json.dumps({"dataset": dataset, "format_version": m.format_version,
+                               "tokenizer": vars(m.tokenizer), "sources": rows,
+                               "mix": [vars(p) for p in m.mix]}, indent=1))
+        return
+    t = m.tokenizer
+    click.echo(f"dataset   {dataset}  (format v{m.format_version})")
+    click.echo(f"tokenizer {t.file}  vocab {t.vocab_size:,}  eos {t.eos_id}  dtype {t.dtype}  sha256 {t.sha256[:12]}")
+    click.echo(f"{'source':<16}{'shards':>8}{'blocks':>9}{'documents':>12}{'tokens':>15}{'MiB':>10}")
+    for name, s in m.sources.items():
+        nbytes = sum(x.bytes for x in s.shards)
+        click.echo(f"{name:<16}{len(s.shards):>8}{sum(x.blocks for x in s.shards):>9}{s.documents:>12,}"
+                   f"{s.tokens:>15,}{nbytes / 2**20:>10.1f}")
+    click.echo(f"{'total':<16}{sum(len(s.shards) for s in m.sources.values()):>8}"
+               f"{sum(x.blocks for s in m.sources.values() for x in s.shards):>9}"
+               f"{sum(s.documents for s in m.sources.values()):>12,}{m.total_tokens:>15,}")
+    for ph in m.mix:
+        w = ", ".join(f"{k}={v:g}" for k, v in ph.weights.items())
+        click.echo(f"phase {ph.name}: {ph.tokens:,} tokens; weights {w}")
+
+
+@main.command()
+@click.argument("dataset")
+def verify(dataset: str) -> None:
+    """Check every shard of DATASET: sha256, tar safety, LZ4 frames, metadata, index and counts.
+
+    Exits non-zero at the first corrupt shard, naming it and the member."""
+    ds = Dataset.open(dataset)
+    n = 0
+    for name, src in ds.manifest.sources.items():
+        for sh in src.shards:
+            url = fs.join(dataset, sh.path)
+            try:
+                blocks = docs = toks = 0
+                keys = []
+                for b in iter_shard(url, expected_sha256=sh.sha256):
+                    blocks += 1
+                    docs += len(b.doc_ids)
+                    toks += len(b.tokens)
+                    keys.append(b.key)
+                    if b.source != name:
+                        raise ShardError(url, f"block says source {b.source!r}, manifest says {name!r}", b.key)
+                if (blocks, docs, toks) != (sh.blocks, sh.documents, sh.tokens):
+                    raise ShardError(url, f"counts (blocks, documents, tokens) = {(blocks, docs, toks)}, manifest "
+                                     f"says {(sh.blocks, sh.documents, sh.tokens)}")
+                idx = parse_index(fs.read_bytes(url + ".idx").decode(), url)
+                if [e.key for e in idx] != keys:
+                    raise ShardError(url + ".idx", "index does not list the shard's samples in order")
+            except (ShardError, FileNotFoundError, EOFError) as e:
+                click.echo(f"CORRUPT {e}", err=True)
+                sys.exit(1)
+            n += 1
+    click.echo(f"ok: {n} shards verified")
+
+
+if __name__ == "__main__":
+    main()

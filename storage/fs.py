@@ -1,0 +1,132 @@
+"""Filesystem access for local paths and any fsspec URL: atomic writes, range reads with retries."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from typing import Callable, TypeVar
+
+import fsspec
+from fsspec.core import url_to_fs
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path(url: str) -> str:
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
+def get_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path inside it) for a local path or URL."""
+    return url_to_fs(url)
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *[p.strip("/") for p in parts]])
+
+
+def with_retries(fn: Callable[[], T], what: str, attempts: int = 4, backoff_s: float = 0.2) -> T:
+    """Call fn, retrying transient I/O errors with exponential backoff; the last error propagates."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except (FileNotFoundError, PermissionError, IsADirectoryError):
+            raise
+        except OSError as e:
+            if attempt == attempts - 1:
+                raise
+            delay = backoff_s * (2 ** attempt)
+            log.warning("%s failed (%s); retry %d/%d in %.1fs", what, e, attempt + 1, attempts - 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_name(final_path: str) -> str:
+    """Temporary sibling name used while a file is written; never matched by readers' globs."""
+    head, tail = os.path.split(final_path)
+    return os.path.join(head, f".tmp-{tail}-{uuid.uuid4().hex[:8]}")
+
+
+def commit_local(tmp: str, final: str) -> None:
+    """fsync a finished temp file and rename it to its final name (atomic on POSIX)."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    _fsync_dir(final)
+
+
+def atomic_write_bytes(url: str, data: bytes) -> None:
+    """Write `data` so that `url` either does not exist or holds all of it."""
+    if is_local(url):
+        path = local_path(url)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = tmp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            commit_local(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return
+    fs, path = get_fs(url)
+    # Object stores publish an object only when its upload completes, which is the atomicity we need.
+    with_retries(lambda: fs.pipe_file(path, data), f"write {url}")
+
+
+def read_bytes(url: str) -> bytes:
+    if is_local(url):
+        with open(local_path(url), "rb") as f:
+            return f.read()
+    fs, path = get_fs(url)
+    return with_retries(lambda: fs.cat_file(path), f"read {url}")
+
+
+def read_range(url: str, offset: int, size: int) -> bytes:
+    """Exactly `size` bytes at `offset` (pread locally, ranged GET remotely); short reads are errors."""
+    if is_local(url):
+        fd = os.open(local_path(url), os.O_RDONLY)
+        try:
+            data = os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+    else:
+        fs, path = get_fs(url)
+        data = with_retries(lambda: fs.cat_file(path, start=offset, end=offset + size),
+                            f"read {url} [{offset}:{offset + size}]")
+    if len(data) != size:
+        raise EOFError(f"{url}: wanted {size} bytes at offset {offset}, file has only {len(data)} there "
+                       "(truncated?)")
+    return data
+
+
+def exists(url: str) -> bool:
+    if is_local(url):
+        return os.path.exists(local_path(url))
+    fs, path = get_fs(url)
+    return fs.exists(path)
+
+
+def size_of(url: str) -> int:
+    if is_local(url):
+        return os.path.getsize(local_path(url))
+    fs, path = get_fs(url)
+    return int(fs.size(path))

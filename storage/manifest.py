@@ -1,0 +1,108 @@
+"""Dataset `manifest.json`: tokenizer, shards per source with checksums, build stats, mix schedule."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage import config as cfgmod
+from storage import fs
+from storage.config import ConfigError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TokenizerInfo:
+    file: str
+    sha256: str
+    vocab_size: int
+    eos_id: int
+    dtype: str  # uint16 or uint32
+
+
+@dataclass
+class ShardInfo:
+    path: str  # relative to the dataset root, e.g. "web/shard-000000.tar"
+    sha256: str
+    bytes: int
+    blocks: int
+    documents: int
+    tokens: int
+
+
+@dataclass
+class SourceInfo:
+    shards: list[ShardInfo] = field(default_factory=list)
+    documents: int = 0
+    tokens: int = 0
+    stats: dict[str, int] = field(default_factory=dict)  # read, dropped per filter, duplicates, ...
+
+
+@dataclass
+class Phase:
+    """One stage of the data mix: relative weights per source over a length in tokens."""
+    name: str
+    weights: dict[str, float]
+    tokens: int
+
+
+@dataclass
+class Manifest:
+    tokenizer: TokenizerInfo
+    sources: dict[str, SourceInfo]
+    mix: list[Phase] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+    build_stats: dict[str, Any] = field(default_factory=dict)
+    build_config: dict[str, Any] = field(default_factory=dict)
+    software: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise ConfigError(f"format_version {self.format_version} is not supported (this reader knows "
+                              f"{FORMAT_VERSION})")
+        validate_mix(self.mix, self.sources)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.tokens for s in self.sources.values())
+
+
+def validate_mix(mix: list[Phase], sources: dict[str, Any] | list[str]) -> None:
+    """Weights positive and finite, sources known, phase lengths positive, names unique."""
+    known = set(sources)
+    seen = set()
+    for i, ph in enumerate(mix):
+        where = f"key 'mix.{i}' (phase {ph.name!r})"
+        if ph.name in seen:
+            raise ConfigError(f"{where}: duplicate phase name")
+        seen.add(ph.name)
+        if ph.tokens <= 0:
+            raise ConfigError(f"{where}: tokens must be > 0, got {ph.tokens}")
+        if not ph.weights:
+            raise ConfigError(f"{where}: needs at least one source weight")
+        for src, w in ph.weights.items():
+            if src not in known:
+                raise ConfigError(f"{where}: unknown source {src!r} (sources: {', '.join(sorted(known))})")
+            if not (w > 0 and math.isfinite(w)):
+                raise ConfigError(f"{where}: weight of {src!r} must be > 0, got {w}")
+
+
+def read_manifest(dataset: str) -> Manifest:
+    url = fs.join(dataset, MANIFEST_NAME)
+    try:
+        data = json.loads(fs.read_bytes(url))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{url}: no manifest; is {dataset} a smoltrain dataset?") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{url}: not valid JSON: {e}") from None
+    return cfgmod.from_dict(Manifest, data, where=url)
+
+
+def write_manifest(dataset: str, manifest: Manifest) -> None:
+    """Atomically (re)write the manifest; it is the last file of a dataset to appear."""
+    manifest.validate()
+    data = json.dumps(cfgmod.to_plain(manifest), indent=1, sort_keys=False).encode()
+    fs.atomic_write_bytes(fs.join(dataset, MANIFEST_NAME), data)

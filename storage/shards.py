@@ -1,0 +1,383 @@
+"""Shard format v1: tar files of LZ4-compressed token blocks, their index, and safe readers.
+
+A shard is a plain ustar tar. Each sample is a block of whole documents, stored as two members:
+`KEY.tokens.lz4` (one LZ4 frame of a little-endian uint16/uint32 array; every document ends with EOS)
+and `KEY.json` (document ids, token offsets, source). `SHARD.tar.idx` lists member header offsets and
+sizes in DALI's webdataset index format (v1.2), so one block can be range-read without a scan.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+import lz4.frame
+import numpy as np
+
+from storage import fs
+
+FORMAT_VERSION = 1
+TOKENS_EXT = "tokens.lz4"
+META_EXT = "json"
+INDEX_SUFFIX = ".idx"
+TAR_BLOCK = 512
+_LZ4_ARGS = dict(compression_level=0, block_size=lz4.frame.BLOCKSIZE_MAX4MB, content_checksum=True)
+
+
+class ShardError(ValueError):
+    """A shard that cannot be trusted: names the shard, the member and the byte offset."""
+
+    def __init__(self, shard: str, msg: str, member: str | None = None, offset: int | None = None):
+        where = shard
+        if member is not None:
+            where += f", member {member}"
+        if offset is not None:
+            where += f", offset {offset}"
+        super().__init__(f"{where}: {msg}")
+        self.shard, self.member, self.offset = shard, member, offset
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
+
+
+def parse_dtype(name: str) -> np.dtype:
+    if name not in ("uint16", "uint32"):
+        raise ValueError(f"token dtype must be uint16 or uint32, got {name!r}")
+    return np.dtype("<u2") if name == "uint16" else np.dtype("<u4")
+
+
+@dataclass
+class Block:
+    """One decoded sample: whole documents' tokens plus their ids and offsets (len(doc_ids) + 1)."""
+    key: str
+    tokens: np.ndarray
+    doc_ids: list[str]
+    offsets: list[int]
+    source: str
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """Where one block's two members sit in its shard (header offsets, data sizes)."""
+    key: str
+    tokens_offset: int
+    tokens_size: int
+    meta_offset: int
+    meta_size: int
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """(start, length) of one range read covering both members."""
+        start = min(self.tokens_offset, self.meta_offset)
+        end = max(self.tokens_offset + TAR_BLOCK + self.tokens_size, self.meta_offset + TAR_BLOCK + self.meta_size)
+        return start, end - start
+
+
+def encode_tokens(tokens: np.ndarray, dtype: np.dtype) -> bytes:
+    arr = np.ascontiguousarray(tokens)
+    if arr.dtype != dtype:
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > np.iinfo(dtype).max):
+            raise ValueError(f"token ids out of range for {dtype.name}")
+        arr = arr.astype(dtype)
+    return lz4.frame.compress(arr.tobytes(), **_LZ4_ARGS)
+
+
+class _HashingWriter(io.RawIOBase):
+    def __init__(self, f: BinaryIO):
+        self.f, self.sha, self.pos = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        self.sha.update(b)
+        self.f.write(b)
+        self.pos += len(b)
+        return len(b)
+
+    def tell(self) -> int:
+        return self.pos
+
+
+def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.mode, ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = size, 0o644, 0, 0, 0, "", ""
+    return ti
+
+
+class ShardWriter:
+    """Writes one shard and its index under temporary names; `close()` publishes both atomically.
+
+    Output bytes depend only on the blocks added (fixed mtime/owner), so builds are reproducible.
+    """
+
+    def __init__(self, url: str, dtype: np.dtype | str, source: str):
+        self.url, self.source = url, source
+        self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+        self.stem = os.path.basename(url).split(".")[0]
+        self.local = fs.is_local(url)
+        if self.local:
+            path = fs.local_path(url)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._tmp = fs.tmp_name(path)
+            self._file: BinaryIO = open(self._tmp, "wb")
+        else:
+            self._file = io.BytesIO()
+        self._hw = _HashingWriter(self._file)
+        self._tar = tarfile.open(fileobj=self._hw, mode="w", format=tarfile.USTAR_FORMAT)  # type: ignore
+        self.entries: list[IndexEntry] = []
+        self.documents = self.tokens = 0
+        self._closed = False
+
+    def add_block(self, tokens: np.ndarray, doc_ids: list[str], offsets: list[int]) -> str:
+        n = int(len(tokens))
+        if len(offsets) != len(doc_ids) + 1 or offsets[0] != 0 or offsets[-1] != n:
+            raise ValueError(f"offsets must have len(doc_ids)+1 entries from 0 to {n}")
+        key = f"{self.stem}_{len(self.entries):06d}"
+        payload = encode_tokens(tokens, self.dtype)
+        meta = json.dumps({"format": FORMAT_VERSION, "source": self.source, "dtype": self.dtype.name,
+                           "n_tokens": n, "doc_ids": [str(d) for d in doc_ids],
+                           "offsets": [int(o) for o in offsets]}, separators=(",", ":")).encode()
+        t_off = self._hw.tell()
+        self._tar.addfile(_tarinfo(f"{key}.{TOKENS_EXT}", len(payload)), io.BytesIO(payload))
+        m_off = self._hw.tell()
+        self._tar.addfile(_tarinfo(f"{key}.{META_EXT}", len(meta)), io.BytesIO(meta))
+        self.entries.append(IndexEntry(key, t_off, len(payload), m_off, len(meta)))
+        self.documents += len(doc_ids)
+        self.tokens += n
+        return key
+
+    @property
+    def bytes_written(self) -> int:
+        return self._hw.tell()
+
+    def index_text(self) -> str:
+        lines = [f"v1.2 {len(self.entries)}"]
+        for e in self.entries:
+            lines.append(f"{TOKENS_EXT} {e.tokens_offset} {e.tokens_size} {e.key}.{TOKENS_EXT} "
+                         f"{META_EXT} {e.meta_offset} {e.meta_size} {e.key}.{META_EXT}")
+        return "\n".join(lines) + "\n"
+
+    def close(self) -> dict:
+        """Finish the tar, publish index then shard, and return the manifest's record of it."""
+        if self._closed:
+            raise RuntimeError(f"{self.url}: shard already closed")
+        if not self.entries:
+            self.abort()
+            raise ValueError(f"{self.url}: refusing to write an empty shard")
+        self._tar.close()
+        self._closed = True
+        size, digest = self._hw.tell(), self._hw.sha.hexdigest()
+        fs.atomic_write_bytes(self.url + INDEX_SUFFIX, self.index_text().encode())
+        if self.local:
+            self._file.close()
+            fs.commit_local(self._tmp, fs.local_path(self.url))
+        else:
+            fs.atomic_write_bytes(self.url, self._file.getvalue())  # type: ignore[attr-defined]
+        return {"sha256": digest, "bytes": size, "blocks": len(self.entries),
+                "documents": self.documents, "tokens": self.tokens}
+
+    def abort(self) -> None:
+        self._closed = True
+        self._file.close()
+        if self.local and os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._closed:
+            self.close()
+
+
+def parse_index(text: str, shard: str) -> list[IndexEntry]:
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("v1.2 "):
+        raise ShardError(shard + INDEX_SUFFIX, "not a v1.2 webdataset index")
+    entries = []
+    for lineno, line in enumerate(lines[1:], start=2):
+        parts = line.split()
+        comps: dict[str, tuple[int, int, str]] = {}
+        for i in range(0, len(parts) - 3, 4):
+            comps[parts[i]] = (int(parts[i + 1]), int(parts[i + 2]), parts[i + 3])
+        if TOKENS_EXT not in comps or META_EXT not in comps:
+            raise ShardError(shard + INDEX_SUFFIX, f"line {lineno}: sample lacks a {TOKENS_EXT} or {META_EXT} member")
+        key = comps[TOKENS_EXT][2][: -len(TOKENS_EXT) - 1]
+        entries.append(IndexEntry(key, comps[TOKENS_EXT][0], comps[TOKENS_EXT][1],
+                                  comps[META_EXT][0], comps[META_EXT][1]))
+    if int(lines[0].split()[1]) != len(entries):
+        raise ShardError(shard + INDEX_SUFFIX, f"header says {lines[0].split()[1]} samples, found {len(entries)}")
+    return entries
+
+
+def check_member(shard: str, ti: tarfile.TarInfo, offset: int) -> None:
+    """Reject members a safe reader must never follow or create."""
+    name = ti.name
+    if not ti.isreg():
+        kind = {tarfile.SYMTYPE: "symlink", tarfile.LNKTYPE: "hard link", tarfile.CHRTYPE: "character device",
+                tarfile.BLKTYPE: "block device", tarfile.FIFOTYPE: "fifo", tarfile.DIRTYPE: "directory"}.get(
+            ti.type, f"type {ti.type!r}")
+        raise ShardError(shard, f"unsafe member: {kind} (only regular files are allowed)", name, offset)
+    if name.startswith("/") or os.path.isabs(name):
+        raise ShardError(shard, "unsafe member: absolute path", name, offset)
+    if ".." in name.replace("\\", "/").split("/"):
+        raise ShardError(shard, "unsafe member: path traversal ('..')", name, offset)
+    if "/" in name:
+        raise ShardError(shard, "unsafe member: shard members must not contain directories", name, offset)
+
+
+def decode_block(shard: str, key: str, payload: bytes, meta_bytes: bytes, offset: int) -> Block:
+    member = f"{key}.{TOKENS_EXT}"
+    try:
+        meta = json.loads(meta_bytes)
+        dtype = parse_dtype(meta["dtype"])
+        doc_ids, offsets, n = meta["doc_ids"], meta["offsets"], int(meta["n_tokens"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ShardError(shard, f"bad block metadata: {e}", f"{key}.{META_EXT}") from None
+    try:
+        raw = lz4.frame.decompress(payload)
+    except RuntimeError as e:
+        raise ShardError(shard, f"LZ4 frame does not decode ({e})", member, offset) from None
+    if len(raw) != n * dtype.itemsize:
+        raise ShardError(shard, f"decoded {len(raw)} bytes, metadata says {n} {dtype.name} tokens", member, offset)
+    if len(offsets) != len(doc_ids) + 1 or (offsets and (offsets[0] != 0 or offsets[-1] != n)):
+        raise ShardError(shard, "document offsets do not match the token count", f"{key}.{META_EXT}")
+    return Block(key, np.frombuffer(raw, dtype=dtype), doc_ids, offsets, meta.get("source", ""))
+
+
+class _HashingReader(io.RawIOBase):
+    def __init__(self, f: BinaryIO):
+        self.f, self.sha, self.pos = f, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        n = self.f.readinto(b)  # type: ignore[attr-defined]
+        if n:
+            self.sha.update(memoryview(b)[:n])
+            self.pos += n
+        return n or 0
+
+
+def _open_stream(url: str) -> BinaryIO:
+    if fs.is_local(url):
+        return open(fs.local_path(url), "rb")
+    fsys, path = fs.get_fs(url)
+    return fsys.open(path, "rb", block_size=8 << 20)
+
+
+def iter_shard(url: str, expected_sha256: str | None = None) -> Iterator[Block]:
+    """Read a whole shard front to back, checking every member, frame and (optionally) the sha256."""
+    with _open_stream(url) as raw:
+        hr = _HashingReader(raw)
+        buffered = io.BufferedReader(hr, buffer_size=1 << 20)
+        pending: dict[str, bytes] = {}
+        pending_key, pending_off, n_members = None, 0, 0
+        try:
+            tar = tarfile.open(fileobj=buffered, mode="r|")
+            for ti in tar:
+                n_members += 1
+                check_member(url, ti, ti.offset)
+                key, _, ext = ti.name.partition(".")
+                if key != pending_key:
+                    if pending_key is not None:
+                        yield _complete(url, pending_key, pending, pending_off)
+                    pending_key, pending, pending_off = key, {}, ti.offset
+                f = tar.extractfile(ti)
+                assert f is not None
+                pending[ext] = f.read()
+        except (tarfile.TarError, EOFError) as e:
+            raise ShardError(url, f"tar is truncated or malformed ({e})", offset=hr.pos) from None
+        if pending_key is not None:
+            yield _complete(url, pending_key, pending, pending_off)
+        if n_members == 0:
+            raise ShardError(url, "empty shard (no members)")
+        buffered.read()  # hash the tail padding as well
+    if expected_sha256 is not None and hr.sha.hexdigest() != expected_sha256:
+        raise ShardError(url, f"sha256 mismatch: manifest says {expected_sha256}, file has {hr.sha.hexdigest()}")
+
+
+def _complete(url: str, key: str, members: dict[str, bytes], offset: int) -> Block:
+    for ext in (TOKENS_EXT, META_EXT):
+        if ext not in members:
+            raise ShardError(url, f"sample {key} is missing its {ext} member", f"{key}.{ext}", offset)
+    extra = set(members) - {TOKENS_EXT, META_EXT}
+    if extra:
+        raise ShardError(url, f"sample {key} has unexpected members {sorted(extra)}", key, offset)
+    return decode_block(url, key, members[TOKENS_EXT], members[META_EXT], offset)
+
+
+class ShardReader:
+    """Random access to one shard's blocks through its index (pread locally, ranged GET remotely)."""
+
+    def __init__(self, url: str, index: list[IndexEntry] | None = None):
+        self.url = url
+        self._index = index
+
+    @property
+    def index(self) -> list[IndexEntry]:
+        if self._index is None:
+            idx_url = self.url + INDEX_SUFFIX
+            try:
+                text = fs.read_bytes(idx_url).decode()
+            except FileNotFoundError:
+                raise ShardError(self.url, f"index {idx_url} is missing (run `storage verify` to rebuild)") from None
+            self._index = parse_index(text, self.url)
+        return self._index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def read_raw(self, k: int) -> tuple[bytes, bytes]:
+        """(LZ4 payload, JSON bytes) of block k, with both tar headers checked against the index."""
+        e = self.index[k]
+        start, length = e.span
+        try:
+            buf = fs.read_range(self.url, start, length)
+        except EOFError as err:
+            raise ShardError(self.url, f"block {k} lies beyond the end of the file ({err})",
+                             f"{e.key}.{TOKENS_EXT}", start) from None
+        return (self._member(buf, start, e.tokens_offset, e.tokens_size, f"{e.key}.{TOKENS_EXT}"),
+                self._member(buf, start, e.meta_offset, e.meta_size, f"{e.key}.{META_EXT}"))
+
+    def _member(self, buf: bytes, start: int, off: int, size: int, name: str) -> bytes:
+        rel = off - start
+        try:
+            ti = tarfile.TarInfo.frombuf(buf[rel:rel + TAR_BLOCK], "utf-8", "surrogateescape")
+        except tarfile.HeaderError as e:
+            raise ShardError(self.url, f"bad tar header ({e}); index and shard disagree", name, off) from None
+        check_member(self.url, ti, off)
+        if ti.name != name or ti.size != size:
+            raise ShardError(self.url, f"tar header says {ti.name} ({ti.size} bytes), index says {name} ({size} "
+                             "bytes)", name, off)
+        return buf[rel + TAR_BLOCK: rel + TAR_BLOCK + size]
+
+    def read_block(self, k: int) -> Block:
+        payload, meta = self.read_raw(k)
+        return decode_block(self.url, self.index[k].key, payload, meta, self.index[k].tokens_offset)
+
+
+def scan_index(url: str) -> list[IndexEntry]:
+    """Rebuild a shard's index by scanning the tar (for shards whose .idx was lost)."""
+    entries: dict[str, dict[str, tuple[int, int]]] = {}
+    with _open_stream(url) as f:
+        with tarfile.open(fileobj=f, mode="r|") as tar:
+            for ti in tar:
+                check_member(url, ti, ti.offset)
+                key, _, ext = ti.name.partition(".")
+                entries.setdefault(key, {})[ext] = (ti.offset, ti.size)
+    out = []
+    for key, comps in entries.items():
+        if TOKENS_EXT not in comps or META_EXT not in comps:
+            raise ShardError(url, f"sample {key} is missing a member", key)
+        out.append(IndexEntry(key, *comps[TOKENS_EXT], *comps[META_EXT]))
+    return out
