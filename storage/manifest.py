@@ -31,6 +31,7 @@ class ShardInfo:
     blocks: int
     documents: int
     tokens: int
+    block_tokens: list[int] = field(default_factory=list)  # tokens per block, in index order (may be absent)
 
 
 @dataclass

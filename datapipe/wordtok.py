@@ -1,0 +1,185 @@
+"""A fast English word/sentence tokenizer that mimics spaCy's blank-English rules for datatrove's filters.
+
+datatrove's Gopher/C4/FineWeb filters call `load_word_tokenizer("en")`, i.e. `spacy.blank("en")` plus a
+sentencizer, once per filter and once per C4 line. `FastWordTokenizer` is a datatrove `WordTokenizer`
+that reproduces spaCy's whitespace split, prefix/suffix/infix rules and the common English
+contraction exceptions with plain regexes, and memoises the last few texts so a chain of filters
+tokenizes each document once. Its keep decisions are measured against spaCy's by
+`tools/bench/bench_filters.py` (agreement rate reported in docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import json
+import unicodedata
+from collections import OrderedDict
+from pathlib import Path
+
+import regex
+from datatrove.utils.word_tokenizers import WordTokenizer
+
+_QUOTES = "'\"”“`‘´’‚„»«「」『』（）〔〕【】《》〈〉"
+_PUNCT = "…,:;!?¿؟¡()\\[\\]{}<>_#*&。？！，、；：～·।،۔؛٪"
+_CURRENCY = "$£€¥฿"
+_UNITS = ("km|km²|km³|m|m²|m³|dm|cm|mm|ha|µm|nm|yd|in|ft|kg|g|mg|µg|t|lb|oz|m/s|km/h|kmh|mph|hPa|Pa|mbar|mb|MB|"
+          "kb|KB|gb|GB|tb|TB|T|G|M|K|%")
+_HYPHENS = "---|--|——|—|–|-|~"
+
+_PREFIX = regex.compile(
+    rf"^(?:[§%=—–]|\+(?![0-9])|[{_PUNCT}]|\.\.+|……|[{_QUOTES}]|''|US\$|C\$|A\$|[{_CURRENCY}]|[\p{{So}}--[°]])",
+    regex.V1)
+_SUFFIX = regex.compile(
+    rf"(?:[{_PUNCT}]$|……$|\.\.+$|[{_QUOTES}]$|''$|[\p{{So}}--[°]]$|'s$|'S$|’s$|’S$|—$|–$"
+    rf"|(?<=[0-9])\+$|(?<=°[FfCcKk])\.$|(?<=[0-9])(?:[{_CURRENCY}])$|(?<=[0-9])(?:{_UNITS})$"
+    rf"|(?<=[0-9\p{{Ll}}%²\-\+{_QUOTES}{_PUNCT}])\.$|(?<=\p{{Lu}}\p{{Lu}})\.$)",
+    regex.V1)
+_INFIX = regex.compile(
+    rf"\.\.+|…|[\p{{So}}--[°]]|(?<=[0-9])[+\-\*^](?=[0-9-])|(?<=[\p{{Ll}}{_QUOTES}])\.(?=[\p{{Lu}}{_QUOTES}])"
+    rf"|(?<=\p{{L}}),(?=\p{{L}})|(?<=[\p{{L}}0-9])(?:{_HYPHENS})(?=\p{{L}})|(?<=[\p{{L}}0-9])[:<>=/](?=\p{{L}})",
+    regex.V1)
+_URL = regex.compile(r"^(?:(?:https?|ftp)://\S+|www\.\S+\.\S+|[\w.+-]+@[\w-]+\.[\w.-]+)$")
+_PLAIN = regex.compile(r"^[\p{L}0-9]+$")
+
+# spaCy 3.8's English tokenizer exceptions (MIT licence): contractions, abbreviations, emoticons.
+_EXC: dict[str, list[str]] = json.loads(
+    (Path(__file__).parent / "assets" / "en_tokenizer_exceptions.json").read_text(encoding="utf-8"))
+SENT_END = set("!.?։؟۔܀܁܂߹।॥၊။።፧፨᙮᜵᜶᠃᠉᥄᥅᪨᪩᪪᪫᭚᭛᭞᭟᰻᰼᱾᱿‼‽⁇⁈⁉⸮⸼꓿꘎꘏꛳꛷꡶꡷꣎꣏꤯꧈꧉꩝꩞꩟꫰꫱꯫﹒﹖﹗！．？｡。")
+
+
+def _special(s: str) -> list[str] | None:
+    return _EXC.get(s)
+
+
+def _split_chunk(s: str, out: list[str]) -> None:
+    """spaCy's `_split_affixes` + `_attach_tokens` for one whitespace-free chunk, then its special-case
+    matcher, which re-merges affix pieces that spell an exception (e.g. `(` `:` → `(:`)."""
+    toks: list[str] = []
+    _affix_split(s, toks)
+    if len(toks) > 1:
+        i = 0
+        while i < len(toks):
+            for j in range(min(len(toks), i + 4), i + 1, -1):
+                sp = _EXC.get("".join(toks[i:j]))
+                if sp is not None:
+                    toks[i:j] = sp
+                    i += len(sp) - 1
+                    break
+            i += 1
+    out.extend(toks)
+
+
+def _affix_split(s: str, out: list[str]) -> None:
+    sp = _special(s)
+    if sp is not None:
+        out.extend(sp)
+        return
+    prefixes: list[str] = []
+    suffixes: list[str] = []
+    last = -1
+    while s and len(s) != last:
+        last = len(s)
+        m = _PREFIX.match(s)
+        pre = m.end() if m else 0
+        if pre and _special(s[pre:]) is not None:
+            prefixes.append(s[:pre])
+            s = s[pre:]
+            break
+        m = _SUFFIX.search(s[pre:])
+        suf = (len(s) - pre - m.start()) if m else 0
+        if suf and _special(s[:-suf]) is not None:
+            suffixes.append(s[-suf:])
+            s = s[:-suf]
+            break
+        if pre and suf and pre + suf <= len(s):
+            prefixes.append(s[:pre])
+            suffixes.append(s[-suf:])
+            s = s[pre:-suf]
+        elif pre:
+            prefixes.append(s[:pre])
+            s = s[pre:]
+        elif suf:
+            suffixes.append(s[-suf:])
+            s = s[:-suf]
+        if s and _special(s) is not None:
+            break
+    out.extend(prefixes)
+    if s:
+        sp = _special(s)
+        if sp is not None:
+            out.extend(sp)
+        elif _URL.match(s):
+            out.append(s)
+        else:
+            start = 0
+            for m in _INFIX.finditer(s):
+                if m.start() == 0:
+                    continue
+                if m.start() != start:
+                    out.append(s[start:m.start()])
+                if m.start() != m.end():
+                    out.append(m.group())
+                start = m.end()
+            if start < len(s):
+                out.append(s[start:])
+    out.extend(reversed(suffixes))
+
+
+def tokenize_words(text: str) -> list[str]:
+    out: list[str] = []
+    plain = _PLAIN.match
+    for chunk in text.split():
+        if plain(chunk) and chunk not in _EXC:
+            out.append(chunk)
+        else:
+            _split_chunk(chunk, out)
+    return out
+
+
+def _is_punct(tok: str) -> bool:
+    return all(unicodedata.category(c).startswith("P") for c in tok)
+
+
+class FastWordTokenizer(WordTokenizer):
+    """datatrove `WordTokenizer` for English without spaCy; pass it as a filter's `language`."""
+
+    def __init__(self, cache_size: int = 8):
+        super().__init__("en")
+        self._cache: OrderedDict[str, list[str]] = OrderedDict()
+        self._cache_size = cache_size
+
+    def __getstate__(self):
+        return {"language": self.language, "_cache_size": self._cache_size}
+
+    def __setstate__(self, state):
+        self.__init__(state["_cache_size"])
+
+    def word_tokenize(self, text: str) -> list[str]:
+        hit = self._cache.get(text)
+        if hit is None:
+            hit = tokenize_words(text)
+            self._cache[text] = hit
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return list(hit)
+
+    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
+        """Sentence spans as spaCy's sentencizer draws them: a sentence ends after a run of
+        sentence-final punctuation, at the next token that is not punctuation."""
+        spans: list[tuple[int, int]] = []
+        pos = start = 0
+        seen_end = False
+        last_end = 0
+        for tok in tokenize_words(text):
+            i = text.find(tok, pos)
+            pos = i + len(tok)
+            if seen_end and not _is_punct(tok):
+                spans.append((start, last_end))
+                start, seen_end = i, False
+            elif tok in SENT_END:
+                seen_end = True
+            last_end = pos
+        if last_end > start or not spans:
+            spans.append((start, last_end))
+        return spans
+
+    def sent_tokenize(self, text: str) -> list[str]:
+        return [s for s in (text[a:b].strip() for a, b in self.span_tokenize(text)) if s]

@@ -1,0 +1,19 @@
+"""Streaming token loader: deterministic, elastic, mixed, prefetched and double-buffered.
+
+    from storage.loader import LoaderConfig, TokenLoader
+    loader = TokenLoader(LoaderConfig(dataset="s3://bucket/ds", seq_len=2048), global_batch_size=512,
+                         dp_rank=rank, dp_size=world)
+    batch = next(loader)            # LongTensor [512 // world, seq_len + 1]
+    sd = loader.state_dict()        # resume with any dp_size: loader.load_state_dict(sd)
+
+Modules: `order` (per-source epochs, block permutation, window shuffle), `blend` (phases, Megatron-style
+low-discrepancy source assignment, schedule changes at resume), `prefetch` (thread pool, bytes in
+flight), `pack` (rows from blocks, quarantine), `buffers` (two-slot queue, CUDA side-stream copy),
+`loader` (TokenLoader), `torchdata` (use inside a torch DataLoader with workers), `dali` (optional
+DALI block reader), `bench` (`storage bench-loader`). See docs/loader.md.
+"""
+from storage.loader.config import LoaderConfig
+from storage.loader.loader import TokenLoader
+from storage.loader.torchdata import TokenIterableDataset
+
+__all__ = ["LoaderConfig", "TokenLoader", "TokenIterableDataset"]

@@ -1,0 +1,242 @@
+"""`TokenLoader`: this rank's slice of each global batch, in the DP-independent global order.
+
+Global batch i holds global sequences [start + i*G, start + (i+1)*G); rank r of W takes rows
+[r*G/W, (r+1)*G/W). A producer thread plans batches ahead (block references → prefetch pool), packs
+them and feeds a two-slot queue; the consumer only dequeues. State is the number of global sequences
+consumed plus the mix segments, so a run resumes exactly with any DP size or worker count.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from storage import fs
+from storage.dataset import Dataset
+from storage.loader.blend import Blend, mix_fingerprint
+from storage.loader.buffers import CudaStager, Failure, TwoSlotQueue
+from storage.loader.config import LoaderConfig
+from storage.loader.order import SourceOrder
+from storage.loader.pack import Packer, Plan, acquire, plan
+from storage.loader.prefetch import BlockStore
+from storage.manifest import Manifest, Phase, validate_mix
+from storage.shards import META_EXT, TAR_BLOCK, ShardReader, parse_dtype
+
+STATE_VERSION = 1
+
+
+def dataset_fingerprint(m: Manifest) -> str:
+    """Content identity of a dataset (not its location: a local copy and its S3 upload match)."""
+    plain = {name: [[sh.sha256, sh.tokens, sh.blocks] for sh in src.shards] for name, src in m.sources.items()}
+    return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _block_tokens(readers: list[ShardReader], shards, pool) -> np.ndarray:
+    """Tokens per block: from the manifest when it lists them, else from each block's JSON member."""
+    def one(pair):
+        sh, info = pair
+        if len(info.block_tokens) == len(sh.index):
+            return list(info.block_tokens)
+        out = []
+        for e in sh.index:
+            meta = fs.read_range(sh.url, e.meta_offset + TAR_BLOCK, e.meta_size)
+            out.append(int(json.loads(meta)["n_tokens"]))
+        return out
+    return np.array([n for part in pool.map(one, zip(readers, shards)) for n in part], dtype=np.int64)
+
+
+def natural_mix(m: Manifest) -> list[Phase]:
+    return [Phase("natural", {n: float(s.tokens) for n, s in m.sources.items()}, 1)]
+
+
+class TokenLoader:
+    def __init__(self, cfg: LoaderConfig, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 mix: list[Phase] | None = None, *, batch_offset: int = 0, batch_stride: int = 1):
+        """`batch_offset`/`batch_stride`: this instance yields only batches offset, offset + stride, ...
+        (how TokenIterableDataset splits the stream over DataLoader workers)."""
+        cfg.validate()
+        if global_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"bad batch layout: global_batch_size={global_batch_size}, dp_rank={dp_rank}, "
+                             f"dp_size={dp_size}")
+        if global_batch_size % dp_size:
+            raise ValueError(f"global_batch_size {global_batch_size} is not divisible by dp_size {dp_size}")
+        self.cfg, self.G, self.rank, self.world = cfg, global_batch_size, dp_rank, dp_size
+        self.rows = global_batch_size // dp_size
+        self.batch_offset, self.batch_stride = batch_offset, batch_stride
+        self.ds = Dataset.open(cfg.dataset)
+        m = self.ds.manifest
+        m.validate()
+        self.sources = list(m.sources)
+        self.itemsize = parse_dtype(m.tokenizer.dtype).itemsize
+        self.fingerprint = {"dataset": dataset_fingerprint(m), "seq_len": cfg.seq_len, "seed": cfg.seed,
+                            "shuffle_window": cfg.shuffle_window}
+        reader = None
+        if cfg.backend == "dali":
+            from storage.loader.dali import DaliBlockReader
+            reader = DaliBlockReader(self.ds)
+        self.store = BlockStore([], [], self.itemsize, cfg.prefetch_threads, reader)
+        # shard indexes and block tables are fetched with the prefetch pool (many small reads remotely)
+        list(self.store.pool.map(lambda sh: sh.index, [sh for rs in self.ds.readers.values() for sh in rs]))
+        self.orders: list[SourceOrder] = []
+        for name in self.sources:
+            rs, infos = self.ds.readers[name], m.sources[name].shards
+            bt = _block_tokens(rs, infos, self.store.pool)
+            self.store.refs.append([(sh, k) for sh in rs for k in range(len(sh.index))])
+            self.store.block_tokens.append(bt)
+            self.orders.append(SourceOrder(name, bt, cfg.seq_len, cfg.seed, cfg.shuffle_window))
+        self.mix = list(mix) if mix is not None else (list(m.mix) or natural_mix(m))
+        validate_mix(self.mix, self.sources)
+        self.blend = Blend(self.sources, cfg.seq_len)
+        self.blend.add_segment(0, self.mix)
+        self.packer = Packer(self.orders, self.store, cfg.seq_len, cfg.corruption, cfg.max_substitutes)
+        self.consumed = 0          # global sequences handed out before this instance's next batch
+        self._yielded = 0          # batches handed out by this instance since (re)start
+        self._stager = CudaStager(cfg.device) if cfg.device.startswith("cuda") else None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._buf = TwoSlotQueue(2)
+        self._planned: deque[Plan] = deque()
+        self._m = {"wait_s": 0.0, "sequences": 0, "t0": None}
+
+    # ---- order (pure functions, usable without reading any data) ----
+    def batch_span(self, j: int) -> tuple[int, int]:
+        """Global sequences [g0, g1) of this rank's rows in this instance's j-th batch from now."""
+        b = self.batch_offset + j * self.batch_stride
+        g0 = self.consumed + b * self.G + self.rank * self.rows
+        return g0, g0 + self.rows
+
+    def assignments(self, g0: int, g1: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, cursor in that source) of global sequences [g0, g1)."""
+        return self.blend.assign(g0, g1)
+
+    # ---- producer ----
+    def _start(self) -> None:
+        self.consumed += self._yielded * self.batch_stride * self.G
+        self._yielded = 0
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._produce, name="smoltrain-loader", daemon=True)
+        self._thread.start()
+
+    def _plan(self, j: int) -> Plan:
+        g0, g1 = self.batch_span(j)
+        srcs, curs = self.blend.assign(g0, g1)
+        return plan(j, srcs, curs, self.orders)
+
+    def _produce(self) -> None:
+        j = 0
+        pending: Plan | None = None
+        try:
+            while not self._stop.is_set():
+                while len(self._planned) < self.cfg.prefetch_batches:
+                    p = pending or self._plan(j)
+                    if self._planned and self.store.bytes_in_flight + self.store.new_cost(p.uses) \
+                            > self.cfg.max_bytes_in_flight:
+                        pending = p
+                        break
+                    pending = None
+                    acquire(p, self.store)
+                    self._planned.append(p)
+                    j += 1
+                p = self._planned.popleft()
+                out = torch.from_numpy(self.packer.assemble(p))
+                if self._stager is not None:
+                    out = CudaStager.pin(out)
+                if not self._buf.put(out, self._stop):
+                    return
+        except BaseException as e:  # delivered to the consumer, in order
+            self._buf.put(Failure(e), self._stop)
+
+    # ---- consumer ----
+    def __iter__(self) -> "TokenLoader":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._thread is None:
+            self._start()
+            self._m["t0"] = time.perf_counter()
+        if self._stager is not None:
+            batch = self._stager.take()
+            if batch is None:  # first call: stage one, then hand it out below
+                self._stager.stage(self._get())
+                batch = self._stager.take()
+            self._stager.stage(self._get())
+        else:
+            batch = self._get()
+        self._yielded += 1
+        self._m["sequences"] += self.rows
+        return batch
+
+    def _get(self) -> torch.Tensor:
+        t = time.perf_counter()
+        item = self._buf.get(alive=lambda: self._thread is not None and self._thread.is_alive())
+        self._m["wait_s"] += time.perf_counter() - t
+        if isinstance(item, Failure):
+            raise item.exc
+        return item
+
+    # ---- state ----
+    def state_dict(self) -> dict:
+        consumed = self.consumed + self._yielded * self.batch_stride * self.G
+        return {"version": STATE_VERSION, "consumed": consumed, "config": dict(self.fingerprint),
+                "mix": mix_fingerprint(self.blend.segments[-1][1]), "segments": self.blend.state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Continue after sd["consumed"] global sequences; a different mix given to this loader applies
+        from there on (the sources' cursors carry over, so nothing repeats or is skipped)."""
+        if sd.get("version") != STATE_VERSION:
+            raise ValueError(f"loader state version {sd.get('version')!r} is not {STATE_VERSION}")
+        for key, ours in self.fingerprint.items():
+            if sd["config"].get(key) != ours:
+                raise ValueError(f"loader state was made with {key}={sd['config'].get(key)!r}, this loader has "
+                                 f"{key}={ours!r}; resuming would change the sequence order")
+        self._shutdown()
+        consumed = int(sd["consumed"])
+        blend = Blend.from_state(self.sources, self.cfg.seq_len, sd["segments"])
+        if mix_fingerprint(blend.segments[-1][1]) != mix_fingerprint(self.mix):
+            blend.add_segment(consumed, self.mix)
+        self.blend, self.consumed, self._yielded = blend, consumed, 0
+
+    # ---- metrics / lifecycle ----
+    def metrics(self) -> dict:
+        el = time.perf_counter() - self._m["t0"] if self._m["t0"] else 0.0
+        seqs = self._m["sequences"]
+        return {"sequences_per_s": seqs / el if el else 0.0, "tokens_per_s": seqs * self.cfg.seq_len / el if el else 0.0,
+                "sequences": seqs, "wait_s": self._m["wait_s"], "bytes_read": self.store.bytes_read,
+                "blocks_read": self.store.blocks_read, "bytes_in_flight": self.store.bytes_in_flight,
+                "prefetch_depth": self._buf.qsize() + len(self._planned),
+                "quarantined_blocks": len(self.store.bad), "substituted_sequences": self.packer.substituted}
+
+    def _shutdown(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._buf.drain()
+            self._thread.join()
+            self._thread = None
+        for p in self._planned:
+            for bid, n in p.uses.items():
+                self.store.release(bid, n)
+        self._planned.clear()
+        self._buf.drain()
+        if self._stager is not None:
+            self._stager.take()
+
+    def close(self) -> None:
+        self._shutdown()
+        self.store.close()
+
+    def __enter__(self) -> "TokenLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

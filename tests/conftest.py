@@ -1,0 +1,57 @@
+"""Shared fixtures: a small random dataset, a moto S3 server and bucket."""
+from __future__ import annotations
+
+import os
+
+import fsspec
+import pytest
+
+from testutil import free_port, write_random_dataset
+from storage.manifest import Manifest
+
+
+@pytest.fixture
+def random_dataset(tmp_path) -> tuple[str, Manifest]:
+    root = str(tmp_path / "ds")
+    return root, write_random_dataset(root, {"web": 120, "code": 60})
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1; yields storage_options for fsspec/s3fs."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    # fsspec applies conf["s3"] to every s3:// filesystem in this process; the FSSPEC_S3_* variables do
+    # the same for subprocesses (CLIs, torchrun workers).
+    opts = {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
+    env = {"FSSPEC_S3_KEY": "testing", "FSSPEC_S3_SECRET": "testing", "FSSPEC_S3_ENDPOINT_URL": endpoint,
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old_conf, old_env = dict(fsspec.config.conf.get("s3", {})), {k: os.environ.get(k) for k in env}
+    fsspec.config.conf["s3"] = {**old_conf, **opts}
+    os.environ.update(env)
+    try:
+        yield {"endpoint_url": endpoint, "storage_options": opts}
+    finally:
+        fsspec.config.conf["s3"] = old_conf
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh, empty bucket on the moto server: yields its s3:// URL."""
+    import uuid
+
+    import s3fs
+
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(**s3_server["storage_options"]).mkdir(name)
+    return f"s3://{name}"

@@ -1,0 +1,237 @@
+"""On-disk layout of a checkpoint folder: names, manifest with checksums, atomic commit, verify, `latest`.
+
+    <dir>/step_00000200/            a committed checkpoint (renamed from a temporary name when complete)
+        manifest.json               written last: step, kind, base, layout, {file: size + sha256}, bytes
+        metadata.json, common.pt, .metadata, __0_0.distcp, ...   megatron dist_checkpointing (torch_dist)
+        delta/rank00000.bin|.json   incremental checkpoints: XOR+zstd deltas against the base's tensors
+        train_state.pt, rng/rank00000.pt
+    <dir>/.tmp-step_00000200-1a2b3c4d/   being written (never read; removed at start-up)
+    <dir>/latest                    name of the newest committed checkpoint; moved after the rename
+
+Everything here works on any fsspec filesystem, so the same verify serves local and offloaded copies.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import fsspec
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT = "smoltrain-ckpt/1"
+_NAME_RE = re.compile(r"^step_(\d{8,})$")
+_CHUNK = 8 << 20
+
+
+def ckpt_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    m = _NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def tmp_dir_for(root: str, step: int) -> str:
+    return os.path.join(root, f".tmp-{ckpt_name(step)}-{uuid.uuid4().hex[:8]}")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or corrupt; the message names the checkpoint and file."""
+
+
+@dataclass
+class CkptInfo:
+    name: str
+    step: int
+    kind: str
+    base: str | None
+    manifest: dict = field(repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f["size"] for f in self.manifest["files"].values())
+
+
+def sha256_file(fs: fsspec.AbstractFileSystem, path: str, fsync: bool = False) -> tuple[int, str]:
+    """(size, sha256) of a file; with fsync (local only) the file's data is also flushed to disk."""
+    h, n = hashlib.sha256(), 0
+    if fsync:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while chunk := os.read(fd, _CHUNK):
+                h.update(chunk)
+                n += len(chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return n, h.hexdigest()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return n, h.hexdigest()
+
+
+def _local_files(root: str) -> list[str]:
+    out = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            out.append(os.path.relpath(os.path.join(dirpath, f), root))
+    return sorted(out)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: str, root: str, step: int, kind: str, base: str | None, info: dict) -> dict:
+    """Checksum + fsync every file of `tmp`, write its manifest, rename it to its final name, move `latest`.
+
+    `info` adds fields to the manifest (layout, bytes written, model metadata, ...). Returns the manifest.
+    """
+    local = fsspec.filesystem("file")
+    files = {}
+    for rel in _local_files(tmp):
+        size, digest = sha256_file(local, os.path.join(tmp, rel), fsync=True)
+        files[rel] = {"size": size, "sha256": digest}
+    for dirpath, _, _ in os.walk(tmp):
+        _fsync_dir(dirpath)
+    manifest = {"format": FORMAT, "name": ckpt_name(step), "step": step, "kind": kind, "base": base,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **info, "files": files}
+    mpath = os.path.join(tmp, MANIFEST)
+    with open(mpath, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    final = os.path.join(root, ckpt_name(step))
+    if os.path.exists(final):
+        # A checkpoint of the same step from an earlier (resumed) attempt: replace it.
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    write_latest(root, ckpt_name(step))
+    return manifest
+
+
+def write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, f".tmp-latest-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+    _fsync_dir(root)
+
+
+def read_latest(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
+    try:
+        with fs.open(f"{root.rstrip('/')}/{LATEST}", "r") as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def remove_stale_tmp(root: str) -> list[str]:
+    """Delete temporary folders left by a save that never completed (killed run). Call before saving."""
+    removed = []
+    if not os.path.isdir(root):
+        return removed
+    for name in os.listdir(root):
+        if name.startswith(".tmp-"):
+            p = os.path.join(root, name)
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+            removed.append(name)
+    return removed
+
+
+def read_manifest(fs: fsspec.AbstractFileSystem, ckpt_path: str) -> dict:
+    path = f"{ckpt_path.rstrip('/')}/{MANIFEST}"
+    try:
+        with fs.open(path, "r") as f:
+            m = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt_path}: {MANIFEST} is missing (incomplete checkpoint)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{ckpt_path}: {MANIFEST} is not valid JSON ({e})") from None
+    if m.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt_path}: {MANIFEST} has format {m.get('format')!r}, expected {FORMAT}")
+    return m
+
+
+def list_checkpoints(fs: fsspec.AbstractFileSystem, root: str) -> list[CkptInfo]:
+    """Committed checkpoints under `root` (oldest first); folders without a readable manifest are skipped
+    here and reported by `verify`."""
+    out = []
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if step_of(name) is None:
+            continue
+        try:
+            m = read_manifest(fs, f"{root.rstrip('/')}/{name}")
+        except CheckpointError:
+            continue
+        out.append(CkptInfo(name, m["step"], m["kind"], m.get("base"), m))
+    return sorted(out, key=lambda c: c.step)
+
+
+def checkpoint_names(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """All checkpoint folder names under root, committed or broken (oldest first)."""
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+    names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+    return sorted((n for n in names if step_of(n) is not None), key=step_of)
+
+
+def verify(fs: fsspec.AbstractFileSystem, root: str, name: str, checksums: bool = True,
+           chain: bool = True) -> list[str]:
+    """Problems found in checkpoint `name` (empty list: it verifies). With `chain`, its base is checked too.
+
+    Checks: manifest readable; each listed file present with its size and (checksums) sha256; no
+    unlisted data files.
+    """
+    path = f"{root.rstrip('/')}/{name}"
+    try:
+        m = read_manifest(fs, path)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    try:
+        present = {p[len(path) + 1:]: d for p, d in fs.find(path, detail=True).items()}
+    except FileNotFoundError:
+        return [f"{path}: folder is missing"]
+    for rel, want in m["files"].items():
+        got = present.get(rel)
+        if got is None:
+            problems.append(f"{path}/{rel}: file is missing")
+            continue
+        if int(got["size"]) != want["size"]:
+            problems.append(f"{path}/{rel}: size {got['size']} != {want['size']} in manifest (truncated?)")
+            continue
+        if checksums:
+            _, digest = sha256_file(fs, f"{path}/{rel}")
+            if digest != want["sha256"]:
+                problems.append(f"{path}/{rel}: sha256 mismatch (corrupted)")
+    extra = sorted(set(present) - set(m["files"]) - {MANIFEST})
+    problems += [f"{path}/{rel}: file not in manifest" for rel in extra]
+    if chain and m.get("base"):
+        base_problems = verify(fs, root, m["base"], checksums=checksums, chain=False)
+        problems += [f"{path}: base {m['base']} does not verify: {p}" for p in base_problems]
+    return problems

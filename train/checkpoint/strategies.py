@@ -1,0 +1,144 @@
+"""megatron dist_checkpointing strategies for incremental checkpoints.
+
+DeltaSaveStrategy is an async sharded-save strategy: `dist_checkpointing.save` still writes common.pt,
+sharded objects and metadata.json as usual, while the tensors go through `incremental.write_deltas`
+against the base's values kept in memory. DeltaAwareLoadStrategy loads the base's tensors with the
+torch_dist strategy (so any TP/PP/DP layout works), captures them as the base snapshot for later
+incremental saves, then applies the checkpoint's deltas by global region.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+from train.checkpoint.incremental import DeltaSet, Piece, bits, write_deltas
+
+DELTA_BACKEND = "smoltrain_delta"
+
+
+def walk(tree: Any, fn: Callable[[Any], None]) -> None:
+    """Call fn on every leaf of nested dicts/lists/tuples."""
+    if isinstance(tree, dict):
+        for v in tree.values():
+            walk(v, fn)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            walk(v, fn)
+    else:
+        fn(tree)
+
+
+def walk_pairs(spec: Any, loaded: Any, fn: Callable[[Any, Any], None]) -> None:
+    """Walk a sharded state dict and the state dict loaded from it side by side."""
+    if isinstance(spec, dict):
+        for k, v in spec.items():
+            if k in loaded:
+                walk_pairs(v, loaded[k], fn)
+    elif isinstance(spec, (list, tuple)):
+        for a, b in zip(spec, loaded):
+            walk_pairs(a, b, fn)
+    else:
+        fn(spec, loaded)
+
+
+def main_pieces(sharded_sd: Any) -> list[Piece]:
+    """This rank's main-replica tensor pieces (what it writes; other replicas are written elsewhere)."""
+    out: list[Piece] = []
+
+    def take(v):
+        if isinstance(v, ShardedTensor) and is_main_replica(v.replica_id):
+            if v.flattened_range is not None:
+                raise NotImplementedError(f"{v.key}: flattened ShardedTensors are not supported by "
+                                          "incremental checkpoints; use distrib_optim_sharding_type="
+                                          "fully_reshardable")
+            out.append(Piece(v.key, tuple(v.global_shape), tuple(v.global_offset), v.data))
+    walk(sharded_sd, take)
+    return out
+
+
+def stage(sharded_sd: Any) -> int:
+    """Replace every ShardedTensor's data by a host copy, so training may go on while it is written.
+    Returns bytes staged. This copy is the only part of a save the training loop waits for."""
+    total = 0
+
+    def copy(v):
+        nonlocal total
+        if isinstance(v, ShardedTensor):
+            v.data = v.data.detach().to("cpu", copy=True)
+            total += v.data.numel() * v.data.element_size()
+    walk(sharded_sd, copy)
+    return total
+
+
+def snapshot(pieces: list[Piece]) -> dict[tuple, np.ndarray]:
+    """Base values of pieces (bit patterns), keyed by piece identity. Shares memory with staged copies."""
+    return {p.ident: bits(p.tensor) for p in pieces}
+
+
+class DeltaSaveStrategy(AsyncSaveShardedStrategy):
+    """Writes main-replica tensors as deltas against `base` (None: self-contained zstd)."""
+
+    def __init__(self, rank: int, base: dict[tuple, np.ndarray] | None, level: int = 3):
+        super().__init__(DELTA_BACKEND, 1)
+        self.rank, self.base, self.level = rank, base, level
+        self.stats: dict = {}
+
+    def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
+        pieces = main_pieces(sharded_state_dict)
+
+        def write():
+            self.stats = write_deltas(str(checkpoint_dir), self.rank, pieces, self.base, self.level)
+        return AsyncRequest(write, (), [])
+
+
+class DeltaAwareLoadStrategy(LoadShardedStrategy):
+    """torch_dist load of `base_dir`'s tensors + optional deltas of `delta_dir`; records the base values."""
+
+    def __init__(self, base_dir: str, delta_dir: str | None):
+        super().__init__()
+        self.inner = TorchDistLoadShardedStrategy()
+        self.base_dir, self.delta_dir = base_dir, delta_dir
+        self.base_snapshot: dict[tuple, np.ndarray] = {}
+        self.pieces_applied = 0
+
+    def check_backend_compatibility(self, loaded_backend):
+        if loaded_backend not in ("torch_dist", DELTA_BACKEND):
+            raise ValueError(f"checkpoint backend {loaded_backend!r} is neither torch_dist nor {DELTA_BACKEND}")
+
+    def check_version_compatibility(self, loaded_version):
+        pass
+
+    def load(self, sharded_state_dict, checkpoint_dir):
+        loaded = self.inner.load(sharded_state_dict, self.base_dir)
+        deltas = DeltaSet(self.delta_dir) if self.delta_dir else None
+
+        def fix(spec, value):
+            if not isinstance(spec, ShardedTensor) or not isinstance(value, torch.Tensor):
+                return
+            if is_main_replica(spec.replica_id):
+                ident = (spec.key, tuple(spec.global_offset), tuple(value.shape))
+                self.base_snapshot[ident] = bits(value.detach().to("cpu", copy=True))
+            if deltas is not None:
+                self.pieces_applied += deltas.apply(spec.key, tuple(spec.global_offset), value)
+        walk_pairs(sharded_state_dict, loaded, fix)
+        return loaded
+
+    def load_tensors_metadata(self, checkpoint_dir, metadata=None):
+        return self.inner.load_tensors_metadata(self.base_dir, metadata)
+
+    def load_sharded_metadata(self, checkpoint_dir):
+        return self.inner.load_sharded_metadata(self.base_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir, key_prefix):
+        raise NotImplementedError
+
+
+def exists(path: str) -> bool:
+    return os.path.exists(path)

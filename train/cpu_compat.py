@@ -1,0 +1,222 @@
+"""Run megatron-core 0.16 under gloo on a machine without CUDA (tests, laptops, CI).
+
+megatron-core hard-codes CUDA in a few places (see ../shared/notes/megatron-cpu.md): `device="cuda"`
+literals and `torch.cuda.current_device()` in the pipeline schedules, grad buffers, grad clipping and
+dist_checkpointing; `Tensor.cuda()` in the language module; type-string checks such as
+`param.type() == "torch.cuda.FloatTensor"` in the optimizers; and a CUDA-only RNG tracker. `install()`
+makes all of these work on CPU, and does nothing when CUDA is available:
+
+- a `TorchFunctionMode` that maps CUDA devices (``"cuda"``, ``"cuda:N"``, bare ints) to CPU in every
+  torch call, makes `Tensor.cuda()` return the tensor itself and reports `torch.cuda.*` type strings
+  for CPU tensors (so megatron's "is this a CUDA float tensor" checks take the normal path);
+- stubs for `torch.cuda.current_device / synchronize / set_device / device_count` (device count 1 so
+  `rank % device_count()` does not divide by zero);
+- `CPURNGStatesTracker`, megatron's tracker with the same names and seed offsets
+  (`seed` data-parallel, `seed + 2718 + tp_rank` model-parallel, `seed + 1024 + ...` expert) whose
+  states are CPU generator states, so tensor-parallel regions still draw different numbers per TP rank.
+
+The mode is entered globally (a process-wide mode stack entry) and must be installed at import time
+of the entry module: dist_checkpointing's async writer starts processes with `spawn`, which re-import
+`__main__` only, not the trainer's setup code. Its overhead measured within noise on the tiny model.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+_MODE: TorchFunctionMode | None = None
+_SAVED_CUDA: dict = {}
+_SAVED_RNG: dict = {}
+
+# CPU tensor type string -> the CUDA one megatron compares against.
+_CUDA_TYPE = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+_CPU_TYPE = {v: k for k, v in _CUDA_TYPE.items()}
+
+
+def _is_cuda_device(dev: Any) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    # A bare int is a CUDA ordinal for torch (what torch.cuda.current_device() returns).
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+def _map_device(dev: Any) -> Any:
+    return torch.device("cpu") if _is_cuda_device(dev) else dev
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU; `Tensor.cuda()` is the identity; CUDA type strings."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            # Keep dtype/non_blocking semantics trivial: the tensor already lives on the only device.
+            return args[0]
+        if func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs:
+                name = func(*args)
+                return _CUDA_TYPE.get(name, name)
+            target = args[1] if len(args) > 1 else kwargs.get("dtype")
+            if isinstance(target, str) and target in _CPU_TYPE:
+                return func(args[0], _CPU_TYPE[target], *args[2:], **{k: v for k, v in kwargs.items()
+                                                                       if k != "dtype"})
+            return func(*args, **kwargs)
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros) and len(args) > 1:
+            args = (args[0],) + tuple(_map_device(a) if isinstance(a, (str, torch.device)) else a
+                                      for a in args[1:])
+            if func is torch.Tensor.to:
+                # `t.to(0)` means cuda:0; ints are never a dtype here.
+                args = tuple(torch.device("cpu") if i > 0 and isinstance(a, int) and not isinstance(a, bool)
+                             else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+class CPURNGStatesTracker:
+    """megatron's `CudaRNGStatesTracker` interface over CPU generator states.
+
+    `add(name, seed)` stores the state of a CPU generator seeded with `seed`; `fork(name)` swaps it
+    into the default CPU generator for the duration of the block and saves the advanced state back,
+    exactly as the CUDA tracker does with the CUDA generator.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = kwargs.get("is_inference_rng_tracker", False)
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._current_state_name = "default-rng"
+
+    def get_states(self) -> dict:
+        return dict(self.states_)
+
+    def set_states(self, states: dict) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig_state = torch.get_rng_state()
+        orig_name = self._current_state_name
+        if orig_name != "default-rng":
+            self.states_[orig_name] = orig_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if orig_name != "default-rng":
+                orig_state = self.states_[orig_name]
+            torch.set_rng_state(orig_state)
+            self._current_state_name = orig_name
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    for name in ("CudaRNGStatesTracker", "_get_cuda_rng_state", "_set_cuda_rng_state"):
+        _SAVED_RNG[name] = getattr(mrandom, name)
+    # Replace the class megatron instantiates and checks with isinstance (get_all_rng_states).
+    mrandom.CudaRNGStatesTracker = CPURNGStatesTracker
+    # Activation recomputation saves/restores "CUDA" states through these two helpers.
+    mrandom._get_cuda_rng_state = lambda *a, clone=False, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    if mrandom._CUDA_RNG_STATE_TRACKER is not None and not isinstance(
+            mrandom._CUDA_RNG_STATE_TRACKER, CPURNGStatesTracker):
+        mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _patch_cuda_module() -> None:
+    cuda = torch.cuda
+    for name in ("current_device", "synchronize", "set_device", "device_count", "get_rng_state",
+                 "set_rng_state", "memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "empty_cache"):
+        _SAVED_CUDA[name] = getattr(cuda, name)
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda device=None: None
+    cuda.set_device = lambda device: None
+    cuda.device_count = lambda: 1
+    # torch.cuda.manual_seed is lazy (queued) without CUDA; megatron calls it with the DP seed, which
+    # on CPU is the default generator's job, so it is left alone.
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_reserved = lambda device=None: 0
+    cuda.empty_cache = lambda: None
+
+
+def active() -> bool:
+    """True when the CPU compatibility layer is installed in this process."""
+    return _INSTALLED
+
+
+def install() -> bool:
+    """Make megatron-core run on CPU/gloo. Idempotent; a no-op (returns False) when CUDA is available."""
+    global _INSTALLED, _MODE
+    if _INSTALLED:
+        return True
+    if torch.cuda.is_available():
+        return False
+    _patch_cuda_module()
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()  # left entered for the life of the process
+    _patch_rng()
+    _INSTALLED = True
+    return True
+
+
+def uninstall() -> None:
+    """Undo `install()` (for tests that must leave the process as they found it)."""
+    global _INSTALLED, _MODE
+    if not _INSTALLED:
+        return
+    _MODE.__exit__(None, None, None)
+    _MODE = None
+    for name, fn in _SAVED_CUDA.items():
+        setattr(torch.cuda, name, fn)
+    _SAVED_CUDA.clear()
+    from megatron.core.tensor_parallel import random as mrandom
+
+    for name, obj in _SAVED_RNG.items():
+        setattr(mrandom, name, obj)
+    _SAVED_RNG.clear()
+    mrandom.initialize_rng_tracker(force_reset=True)
+    _INSTALLED = False

@@ -1,0 +1,224 @@
+"""Model presets (SmolLM2 / SmolLM3 / Llama shapes) → megatron-core TransformerConfig and GPTModel.
+
+All presets are Llama-style: RMSNorm, SwiGLU, RoPE (configurable θ), GQA, no biases, tied embeddings.
+The published shapes:
+
+| preset | hidden | layers | heads | kv | ffn   | vocab   | θ       | source            |
+|--------|--------|--------|-------|----|-------|---------|---------|-------------------|
+| tiny   | 128    | 4      | 4     | 2  | 352   | 1024    | 10 000  | CPU tests         |
+| 135m   | 576    | 30     | 9     | 3  | 1536  | 49 152  | 100 000 | SmolLM2-135M      |
+| 360m   | 960    | 32     | 15    | 5  | 2560  | 49 152  | 100 000 | SmolLM2-360M      |
+| 1.7b   | 2048   | 24     | 32    | 32 | 8192  | 49 152  | 130 000 | SmolLM2-1.7B      |
+| 3b     | 2048   | 36     | 16    | 4  | 11008 | 128 256 | 5e6     | SmolLM3-3B        |
+
+(SmolLM3 also drops RoPE in every 4th layer, "NoPE"; the local layer spec has no per-layer switch for
+that, so the 3b preset uses RoPE everywhere.)
+
+megatron is imported lazily so that config validation and `train estimate` stay fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from storage.config import ConfigError
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=352,
+                 vocab_size=1024, max_position_embeddings=1024, rope_theta=10000.0, norm_eps=1e-5),
+    "135m": dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, ffn_hidden_size=1536,
+                 vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, norm_eps=1e-5),
+    "360m": dict(hidden_size=960, num_layers=32, num_heads=15, num_kv_heads=5, ffn_hidden_size=2560,
+                 vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, norm_eps=1e-5),
+    "1.7b": dict(hidden_size=2048, num_layers=24, num_heads=32, num_kv_heads=32, ffn_hidden_size=8192,
+                 vocab_size=49152, max_position_embeddings=8192, rope_theta=130000.0, norm_eps=1e-5),
+    "3b": dict(hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=4, ffn_hidden_size=11008,
+               vocab_size=128256, max_position_embeddings=65536, rope_theta=5_000_000.0, norm_eps=1e-6),
+}
+SHAPE_KEYS = tuple(PRESETS["tiny"])
+
+
+@dataclass
+class ModelConfig:
+    """`preset` fills every shape key left null; any key set here overrides the preset."""
+    preset: str = "tiny"
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    ffn_hidden_size: int | None = None
+    vocab_size: int | None = None  # null: preset's, or the dataset tokenizer's when the trainer knows it
+    max_position_embeddings: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    dropout: float = 0.0
+    # Pad the embedding table to a multiple of this (and of TP) for fast GEMMs, as Megatron-LM does.
+    make_vocab_size_divisible_by: int = 128
+    # layout_invariant: every parameter is drawn from a generator seeded by (seed, its global name) and
+    # then sliced, so TP/PP layouts start from identical weights; megatron: megatron's own init.
+    init: Literal["layout_invariant", "megatron"] = "layout_invariant"
+
+    def validate(self) -> None:
+        if self.preset not in PRESETS:
+            raise ConfigError(f"key 'model.preset': unknown preset {self.preset!r}; "
+                              f"known: {', '.join(PRESETS)}")
+        s = self.resolved()
+        for k in SHAPE_KEYS:
+            if getattr(s, k) <= 0:
+                raise ConfigError(f"key 'model.{k}': must be positive, got {getattr(s, k)}")
+        if s.hidden_size % s.num_heads:
+            raise ConfigError(f"key 'model.num_heads': {s.num_heads} does not divide hidden_size "
+                              f"{s.hidden_size}")
+        if s.num_heads % s.num_kv_heads:
+            raise ConfigError(f"key 'model.num_kv_heads': {s.num_kv_heads} does not divide num_heads "
+                              f"{s.num_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"key 'model.dropout': must be in [0, 1), got {self.dropout}")
+
+    def resolved(self) -> "ModelConfig":
+        """A copy with every preset key filled in."""
+        base = PRESETS.get(self.preset, PRESETS["tiny"])
+        return dataclasses.replace(self, **{k: v for k, v in base.items() if getattr(self, k) is None})
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Embedding rows: vocab rounded up to a multiple of make_vocab_size_divisible_by × TP."""
+        v = self.resolved().vocab_size
+        m = max(1, self.make_vocab_size_divisible_by) * tp
+        return -(-v // m) * m
+
+
+def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = False):
+    """megatron TransformerConfig for `cfg`. TP and PP sizes must be given, or every pipeline stage
+    silently builds all layers."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    s = cfg.resolved()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_heads,
+        num_query_groups=s.num_kv_heads, ffn_hidden_size=s.ffn_hidden_size,
+        kv_channels=s.hidden_size // s.num_heads,
+        normalization="RMSNorm", layernorm_epsilon=s.norm_eps,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, add_qkv_bias=False,
+        hidden_dropout=s.dropout, attention_dropout=s.dropout,
+        init_method_std=s.init_std,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=dtype, bf16=bf16, pipeline_dtype=dtype,
+        # Keeps megatron's own init TP-invariant (full weight drawn, then split) and works on CPU.
+        use_cpu_initialization=True,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+def layer_spec(use_te: bool | None = None):
+    """Transformer Engine layer spec when TE is installed (and `use_te` is not False), else local."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te is None:
+        use_te = getattr(specs, "HAVE_TE", False)
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = False, seed: int = 1234,
+                use_te: bool | None = None) -> list:
+    """This rank's GPTModel chunk(s) (a list, one per virtual stage; no virtual stages yet), initialised.
+
+    Needs `parallel_state` initialised with the same TP/PP. Returned unwrapped: DDP and Float16Module
+    wrapping is the trainer's job.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    s = cfg.resolved()
+    tcfg = transformer_config(cfg, tp=tp, pp=pp, bf16=bf16)
+    model = GPTModel(
+        config=tcfg, transformer_layer_spec=layer_spec(use_te),
+        vocab_size=cfg.padded_vocab_size(tp), max_sequence_length=s.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=s.tie_embeddings,
+        position_embedding_type="rope", rotary_base=int(s.rope_theta),
+    )
+    if cfg.init == "layout_invariant":
+        init_layout_invariant(model, seed=seed, std=s.init_std, num_layers=s.num_layers)
+    return [model]
+
+
+def _global_name(name: str, layer_offset: int) -> str:
+    """`decoder.layers.3.x` on a stage whose first layer is global layer `offset` → global index."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
+        parts[2] = str(int(parts[2]) + layer_offset)
+    if name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"  # tied: the last stage's copy equals the first's
+    return ".".join(parts)
+
+
+def init_layout_invariant(model, *, seed: int, std: float, num_layers: int) -> None:
+    """Draw each full parameter from a generator seeded by (seed, global name), keep this rank's slice.
+
+    Norm weights are ones; output projections (attention proj, MLP fc2) use std / sqrt(2 · layers) as
+    Megatron's scaled init does. The full tensor is drawn on CPU, so this costs host time once at start.
+    """
+    import hashlib
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    offset = layer_offset(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gname = _global_name(name, offset)
+            if "norm" in gname.rsplit(".", 2)[-2] or gname.endswith("layer_norm_weight"):
+                p.fill_(1.0)
+                continue
+            gen = torch.Generator().manual_seed(
+                (seed * 1_000_003 + int(hashlib.sha1(gname.encode()).hexdigest()[:12], 16)) % (2**63))
+            dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+            shape = list(p.shape)
+            if dim >= 0:
+                shape[dim] *= tp
+            scale = std / (2.0 * num_layers) ** 0.5 if gname.endswith(("linear_proj.weight", "linear_fc2.weight")) \
+                else std
+            full = torch.randn(shape, generator=gen, dtype=torch.float32) * scale
+            if dim >= 0:
+                full = _tp_slice(full, dim, tp, tp_rank, gated=gname.endswith("linear_fc1.weight"))
+            p.copy_(full.to(p.dtype))
+
+
+def _tp_slice(full, dim: int, tp: int, rank: int, gated: bool):
+    """This TP rank's slice. The SwiGLU fc1 weight is [gate; up] stacked, each split separately."""
+    import torch
+
+    if not gated:
+        return full.chunk(tp, dim=dim)[rank]
+    gate, up = full.chunk(2, dim=dim)
+    return torch.cat([gate.chunk(tp, dim=dim)[rank], up.chunk(tp, dim=dim)[rank]], dim=dim)
+
+
+def layer_offset(model) -> int:
+    """Global index of this pipeline stage's first transformer layer."""
+    layers = model.decoder.layers
+    return (layers[0].layer_number - 1) if len(layers) else 0
+
+
+def num_parameters(cfg: ModelConfig) -> dict:
+    """Parameter counts of the unsharded model (embedding counted once when tied)."""
+    s = cfg.resolved()
+    h, f, L = s.hidden_size, s.ffn_hidden_size, s.num_layers
+    head = h // s.num_heads
+    attn = h * h + 2 * h * s.num_kv_heads * head + h * h
+    mlp = 3 * h * f
+    layer = attn + mlp + 2 * h
+    emb = s.vocab_size * h
+    total = L * layer + h + emb * (1 if s.tie_embeddings else 2)
+    return {"total": total, "embedding": emb, "non_embedding": L * layer + h, "per_layer": layer}
