@@ -36,8 +36,9 @@ _INFIX = regex.compile(
     rf"\.\.+|…|[\p{{So}}--[°]]|(?<=[0-9])[+\-\*^](?=[0-9-])|(?<=[\p{{Ll}}{_QUOTES}])\.(?=[\p{{Lu}}{_QUOTES}])"
     rf"|(?<=\p{{L}}),(?=\p{{L}})|(?<=[\p{{L}}0-9])(?:{_HYPHENS})(?=\p{{L}})|(?<=[\p{{L}}0-9])[:<>=/](?=\p{{L}})",
     regex.V1)
-_URL = regex.compile(r"^(?:(?:https?|ftp)://\S+|www\.\S+\.\S+|[\w.+-]+@[\w-]+\.[\w.-]+)$")
-_PLAIN = regex.compile(r"^[\p{L}0-9]+$")
+_URL = regex.compile(r"^(?:(?:https?|ftp)://\S+|(?:\S+(?::\S*)?@)?(?:[A-Za-z0-9\u00a1-\uffff_-]+\.)+[a-z\u00a1-\uffff]{2,63}(?::\d{2,5})?"
+                     r"(?:[/?#]\S*)?)$")
+_PLAIN = regex.compile(r"^(?:\p{L}+|[0-9]+)$")
 
 # spaCy 3.8's English tokenizer exceptions (MIT licence): contractions, abbreviations, emoticons.
 _EXC: dict[str, list[str]] = json.loads(

@@ -8,7 +8,6 @@ incremental saves, then applies the checkpoint's deltas by global region.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import numpy as np
@@ -139,6 +138,3 @@ class DeltaAwareLoadStrategy(LoadShardedStrategy):
     def remove_sharded_tensors(self, checkpoint_dir, key_prefix):
         raise NotImplementedError
 
-
-def exists(path: str) -> bool:
-    return os.path.exists(path)

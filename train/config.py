@@ -1,0 +1,199 @@
+"""`TrainConfig`: the typed `train launch` config, validated before any process starts.
+
+Sections: model (train.models.ModelConfig), parallel, data (storage.loader LoaderConfig), optim, spike,
+monitor, alerts, launch (torchrun / Slurm), checkpoint (train.checkpoint CheckpointConfig), debug.
+Errors name the key (`parallel.tp`, `data.seq_len`, ...). Checks that need the world size
+(world = TP × PP × DP, batch divisibility) are in `check_world`, run by `train launch` before torchrun.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from storage.config import ConfigError
+from storage.loader.config import LoaderConfig
+from train.checkpoint.config import CheckpointConfig
+from train.models import ModelConfig
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1                      # tensor parallel size
+    pp: int = 1                      # pipeline parallel size; DP = world / (TP × PP)
+    micro_batch_size: int = 1        # sequences per micro-batch per DP rank
+    global_batch_size: int = 8       # sequences per optimizer step over all DP ranks
+    distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1)
+    overlap_grad_reduce: bool = False
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, else gloo
+
+    def validate(self) -> None:
+        for k in ("tp", "pp", "micro_batch_size", "global_batch_size"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"key 'parallel.{k}': must be >= 1, got {getattr(self, k)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"key 'parallel.global_batch_size': {self.global_batch_size} is not a multiple of "
+                              f"parallel.micro_batch_size {self.micro_batch_size}")
+
+    def dp(self, world: int) -> int:
+        return world // (self.tp * self.pp)
+
+    def num_microbatches(self, world: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp(world))
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1        # not applied to norms (megatron's default param groups)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0           # 0: no clipping
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.1      # wsd: share of train steps spent in the final (linear) decay
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"key 'optim.min_lr': need 0 <= min_lr <= lr, got lr={self.lr} min_lr={self.min_lr}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"key 'optim.warmup_steps': must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"key 'optim.decay_fraction': must be in [0, 1], got {self.decay_fraction}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"key 'optim.clip_grad': must be >= 0, got {self.clip_grad}")
+
+
+@dataclass
+class SpikeConfig:
+    """A loss is a spike when (loss - mean) / std over the last `window` accepted losses > `zscore`."""
+    window: int = 100
+    zscore: float = 6.0
+    min_history: int = 20            # no decisions before this many losses are known
+    policy: Literal["log", "skip", "abort"] = "log"
+
+
+@dataclass
+class MonitorConfig:
+    log_every: int = 10              # steps between console/JSONL/TensorBoard records
+    tensorboard: bool = True
+    peak_flops: float | None = None  # per device; null: H100/H200 defaults on CUDA, MFU off on CPU
+
+
+@dataclass
+class AlertConfig:
+    mfu_warn_below: float = 0.30     # warn when MFU falls below this (0: off)
+    memory_stop_above: float = 0.90  # stop cleanly (after a checkpoint) above this memory fraction (0: off)
+    max_consecutive_skips: int = 20  # abort when this many steps in a row are skipped
+
+
+@dataclass
+class SlurmConfig:
+    job_name: str = "smoltrain"
+    nodes: int = 1
+    gpus_per_node: int = 8
+    cpus_per_task: int = 32
+    partition: str = ""
+    account: str = ""
+    time: str = "24:00:00"
+    requeue: bool = True
+    extra_sbatch: list[str] = field(default_factory=list)      # raw "#SBATCH" arguments
+    env: dict[str, str] = field(default_factory=lambda: {
+        "NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "^lo,docker", "NCCL_DEBUG": "WARN",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    setup: list[str] = field(default_factory=list)              # shell lines before srun (modules, venv)
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int | None = None         # processes per node; null: GPUs on the node, or 1 on CPU
+    nnodes: int = 1
+    node_rank: int | None = None     # null: let c10d assign
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = "127.0.0.1:29500"
+    rdzv_id: str = "smoltrain"
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+
+@dataclass
+class DebugConfig:
+    synthetic_data: bool = False     # random tokens generated in memory instead of data.dataset
+    inject_nan_step: int = -1        # make the loss NaN at this step (tests the skip-and-count path)
+    inject_spike_step: int = -1      # multiply the loss by 100 at this step (tests spike detection)
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"
+    steps: int = 100
+    seed: int = 1234                 # model seed; the data seed is data.seed (shared by DP ranks)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: LoaderConfig = field(default_factory=lambda: LoaderConfig(seq_len=256))
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    alerts: AlertConfig = field(default_factory=AlertConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def validate(self) -> None:
+        """Checks that need no world size; run on every load."""
+        if self.steps < 1:
+            raise ConfigError(f"key 'steps': must be >= 1, got {self.steps}")
+        m, p = self.model.resolved(), self.parallel
+        if p.tp > m.num_heads or m.num_heads % p.tp:
+            raise ConfigError(f"key 'parallel.tp': {p.tp} must divide model.num_heads ({m.num_heads})")
+        if m.num_kv_heads % p.tp:
+            raise ConfigError(f"key 'parallel.tp': {p.tp} must divide model.num_kv_heads ({m.num_kv_heads})")
+        if m.num_layers % p.pp:
+            raise ConfigError(f"key 'parallel.pp': {p.pp} must divide model.num_layers ({m.num_layers})")
+        if self.data.seq_len > m.max_position_embeddings:
+            raise ConfigError(f"key 'data.seq_len': {self.data.seq_len} exceeds model.max_position_embeddings "
+                              f"({m.max_position_embeddings})")
+        if p.distributed_optimizer and self.checkpoint.distrib_optim_sharding_type == "dp_reshardable":
+            raise ConfigError("key 'checkpoint.distrib_optim_sharding_type': dp_reshardable resumes wrongly "
+                              "with megatron-core 0.16 (notes/megatron-cpu.md); use fully_reshardable")
+
+    def check_world(self, world: int) -> None:
+        """Checks for a given number of processes; `train launch` runs them before starting torchrun."""
+        p = self.parallel
+        if world % (p.tp * p.pp):
+            raise ConfigError(f"key 'parallel.tp': world size {world} is not divisible by tp × pp = "
+                              f"{p.tp} × {p.pp}")
+        dp = p.dp(world)
+        if p.global_batch_size % (p.micro_batch_size * dp):
+            raise ConfigError(f"key 'parallel.global_batch_size': {p.global_batch_size} is not divisible by "
+                              f"micro_batch_size × dp = {p.micro_batch_size} × {dp}")
+
+    def check_data(self) -> None:
+        """The dataset must exist (unless synthetic) and fit the model's vocabulary."""
+        if self.debug.synthetic_data:
+            return
+        if not self.data.dataset:
+            raise ConfigError("key 'data.dataset': required (a dataset folder or URL), or set "
+                              "debug.synthetic_data: true")
+        from storage.manifest import read_manifest
+
+        try:
+            man = read_manifest(self.data.dataset)
+        except Exception as e:  # noqa: BLE001 - any failure to read is a config problem here
+            raise ConfigError(f"key 'data.dataset': cannot read a manifest at {self.data.dataset!r}: {e}") from None
+        vocab = self.model.resolved().vocab_size
+        if self.model.vocab_size is not None and man.tokenizer.vocab_size > vocab:
+            raise ConfigError(f"key 'model.vocab_size': {vocab} is smaller than the dataset tokenizer's "
+                              f"{man.tokenizer.vocab_size}")
+
+    def resolved_for_data(self) -> "TrainConfig":
+        """A copy whose model vocab is the dataset tokenizer's when model.vocab_size is null."""
+        import dataclasses
+
+        if self.model.vocab_size is not None or self.debug.synthetic_data or not self.data.dataset:
+            return self
+        from storage.manifest import read_manifest
+
+        vocab = read_manifest(self.data.dataset).tokenizer.vocab_size
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, vocab_size=vocab))
