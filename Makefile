@@ -12,8 +12,10 @@ $(STAMP): pyproject.toml Makefile
 	@# No NVIDIA GPU: take the CPU build of torch (a local wheel if pip knows one, else PyTorch's CPU index),
 	@# so that the CUDA build (several GB) is never pulled in.
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(BIN)/pip install -q --no-index torch==2.13.0 2>/dev/null || \
-	  $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; fi
+	  if $(BIN)/pip download -q --no-deps --no-index torch==2.13.0 -d $(VENV)/.torch-probe >/dev/null 2>&1; then \
+	    $(BIN)/pip install -q torch==2.13.0; \
+	  else $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+	         --extra-index-url https://pypi.org/simple; fi; rm -rf $(VENV)/.torch-probe; fi
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
