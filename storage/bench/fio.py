@@ -19,7 +19,7 @@ def available() -> tuple[bool, str]:
     if not exe:
         return False, "fio not found on PATH (Debian/Ubuntu: apt-get install fio; or `make sysdeps`)"
     try:
-        ver = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+        ver = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10, check=False).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, f"fio does not run: {e}"
     return True, ver
@@ -42,7 +42,7 @@ def job_args(path: str, file_size: int, test: str, mode: str, threads: int, io_s
 def run(path: str, file_size: int, test: str, mode: str, threads: int, io_size: int, duration: float) -> dict:
     """fio's figures for the job, in the same fields as our Point (gib_per_s, iops, lat_p50_us, lat_p99_us)."""
     args = job_args(path, file_size, test, mode, threads, io_size, duration)
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=duration * 4 + 60)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=duration * 4 + 60, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed (exit {proc.returncode}) on {path}: {proc.stderr.strip()[-500:]}")
     text = proc.stdout

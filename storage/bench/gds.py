@@ -34,7 +34,7 @@ def probe(fs_type: str, kind: str) -> tuple[bool, str]:
     if kind != "local":
         return False, f"{fs_type}:// is an object store: GDS reads local or GDS-enabled filesystems only"
     try:
-        import kvikio  # noqa: F401
+        import kvikio
     except ImportError:
         return False, "kvikio is not installed (pip install '.[gds]')"
     why = _cuda_driver()

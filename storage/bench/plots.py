@@ -7,9 +7,9 @@ import re
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from storage.bench.units import fmt_size  # noqa: E402
+from storage.bench.units import fmt_size
 
 _STYLE = {"buffered": "-", "direct": "--", "s3fs": "-.", "gpu_direct": ":"}
 

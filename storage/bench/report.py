@@ -9,9 +9,10 @@ from storage.bench.units import fmt_size
 REQUIRED_FIELDS = {
     "report": ["version", "created", "host", "settings", "targets", "shards", "plots"],
     "target": ["target", "kind", "fs_type", "mount", "volatile", "direct", "page_cache", "gds", "results",
-               "summary", "checkpoint", "fio", "verdict"],
+               "summary", "checkpoint", "fio", "verdict", "cpu_bound"],
     "point": ["test", "mode", "threads", "io_size", "bytes", "ops", "seconds", "gib_per_s", "iops",
-              "lat_p50_us", "lat_p99_us", "resident_before", "resident_after"],
+              "lat_p50_us", "lat_p99_us", "resident_before", "resident_after", "io_busy", "cpu_s",
+              "cpu_wait"],
     "summary": ["seq_read_gib_per_s", "seq_write_gib_per_s", "rand_read_iops", "rand_read_lat_p50_us",
                 "rand_read_lat_p99_us"],
     "verdict": ["need_tokens_per_s", "feeds_need", "feeds_reason", "data_cache", "checkpoints"],
@@ -31,28 +32,34 @@ def summarize(points: list[dict]) -> dict:
                    for k, v in (("seq_read", r), ("seq_write", w), ("rand_read", i))}}
 
 
-def _res(x) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
+def _res(before, after) -> str:
+    if before is None:
+        return "-"
+    return f"{100 * before:.0f}%" + ("" if after is None else f">{100 * after:.0f}%")
 
 
 def table(report: dict) -> str:
     lines = []
     for t in report["targets"]:
         lines.append(f"\n== {t['target']}  ({t['kind']}, {t['fs_type']} at {t['mount']})")
+        lines.append("   cached = share of the file in the page cache at start > end of the point (mincore); "
+                     "busy = share of thread time inside I/O calls; cpuwait = share waiting for a CPU")
         lines.append(f"   O_DIRECT: {t['direct']['reason']}")
         lines.append(f"   page cache: {t['page_cache']['note']}")
         lines.append(f"   GPU_DIRECT: {'available' if t['gds']['available'] else 'unavailable'}: {t['gds']['reason']}")
         lines.append(f"   {'test':<10}{'mode':<10}{'thr':>4}{'io':>8}{'GiB/s':>9}{'IOPS':>11}{'p50 us':>10}"
-                     f"{'p99 us':>10}{'cached':>8}")
+                     f"{'p99 us':>10}{'cached':>10}{'busy':>6}{'cpuwait':>8}")
         for p in t["results"]:
             lines.append(f"   {p['test']:<10}{p['mode']:<10}{p['threads']:>4}{fmt_size(p['io_size']):>8}"
                          f"{p['gib_per_s']:>9.3f}{p['iops']:>11,.0f}{p['lat_p50_us']:>10.1f}{p['lat_p99_us']:>10.1f}"
-                         f"{_res(p['resident_before']):>8}")
+                         f"{_res(p['resident_before'], p['resident_after']):>10}{100 * p['io_busy']:>5.0f}%{100 * p['cpu_wait']:>7.0f}%")
         for f in t["fio"] or []:
             o, r = f["ours"], f["fio"]
             lines.append(f"   vs fio {f['test']} {f['mode']} {f['threads']}thr {fmt_size(f['io_size'])}: ours "
                          f"{o['gib_per_s']:.3f} GiB/s {o['iops']:,.0f} IOPS | fio {r['gib_per_s']:.3f} GiB/s "
                          f"{r['iops']:,.0f} IOPS | ratio {f['ratio']:.3f}")
+        if t["cpu_bound"]["points"]:
+            lines.append(f"   CPU-bound: {t['cpu_bound']['note']}")
         if t.get("fio_note"):
             lines.append(f"   vs fio: {t['fio_note']}")
         if t["checkpoint"]:

@@ -88,14 +88,14 @@ class ObjectEngine:
             return done, lats
 
         try:
-            nbytes, lats, secs = run_threads(threads, work, duration)
+            nbytes, lats, secs, cpu = run_threads(threads, work, duration)
         finally:
             for k in keys:
                 try:
                     self.fs.rm_file(k)
                 except FileNotFoundError:
                     pass
-        return make_point("seq_write", mode, threads, io_size, nbytes, lats, secs)
+        return make_point("seq_write", mode, threads, io_size, nbytes, lats, secs, cpu=cpu)
 
     def _read(self, test: str, threads: int, io_size: int, mode: str, duration: float) -> Point:
         nblocks = self.file_size // io_size
@@ -122,8 +122,8 @@ class ObjectEngine:
                     break
             return len(lats) * io_size, lats
 
-        nbytes, lats, secs = run_threads(threads, work, duration)
-        return make_point(test, mode, threads, io_size, nbytes, lats, secs)
+        nbytes, lats, secs, cpu = run_threads(threads, work, duration)
+        return make_point(test, mode, threads, io_size, nbytes, lats, secs, cpu=cpu)
 
     def seq_read(self, threads: int, io_size: int, mode: str, duration: float) -> Point:
         return self._read("seq_read", threads, io_size, mode, duration)

@@ -98,12 +98,13 @@ class Scratch:
     def __init__(self, t: Target, fsys=None):
         self.target, self.fsys = t, fsys
         name = f"{SCRATCH_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        if t.kind == "local":
-            self.root = os.path.join(t.path, name)
-            os.mkdir(self.root, 0o700)
-        else:
-            self.root = f"{t.url}/{name}"
+        self.root = os.path.join(t.path, name) if t.kind == "local" else f"{t.url}/{name}"
         self.removed = False
+
+    def create(self) -> None:
+        """Register the scratch with its owner first, then call this, so an interrupt can never orphan it."""
+        if self.target.kind == "local":
+            os.mkdir(self.root, 0o700)
 
     def file(self, name: str) -> str:
         return f"{self.root}/{name}" if self.target.kind == "object" else os.path.join(self.root, name)

@@ -27,7 +27,7 @@ def parse_list(text: str, conv=parse_size) -> list[int]:
 
 
 def fmt_size(n: float) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, div in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= div:
             v = n / div
             return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"

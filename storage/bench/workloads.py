@@ -59,11 +59,12 @@ def stream_shards(dataset: str, threads: int) -> dict:
                 counts["bytes"] += sh.bytes
         return nbytes, lats
 
-    nbytes, lats, secs = run_threads(min(threads, len(jobs)), work, duration=1e9)
+    _, _, secs, cpu = run_threads(min(threads, len(jobs)), work, duration=1e9)
     return {"dataset": dataset, "threads": min(threads, len(jobs)), "shards": len(jobs), "blocks": counts["blocks"],
             "tokens": counts["tokens"], "bytes": counts["bytes"], "seconds": round(secs, 6),
             "tokens_per_s": round(counts["tokens"] / secs, 1), "gib_per_s": round(counts["bytes"] / secs / 2**30, 6),
             "bytes_per_token": round(counts["bytes"] / max(1, counts["tokens"]), 4), "resident_before": resident,
+            "cpu_s": round(cpu.seconds, 4),
             "steps": "fetch + sha256 + tar parse + LZ4 decode + unpack (storage.shards.iter_shard)"}
 
 
@@ -106,13 +107,13 @@ def checkpoint(kind: str, root: str, total: int, shards: int, fsys=None) -> dict
                     done += len(b)
         return done, [time.perf_counter_ns() - t]
 
-    wbytes, wl, wsecs = run_threads(shards, write, duration=1e9)
+    wbytes, _, wsecs, _ = run_threads(shards, write, duration=1e9)
     resident = None
     if kind == "local":
         for n in names:
             evict(n)
         resident = round(max(resident_fraction(n) or 0.0 for n in names), 4)
-    rbytes, rl, rsecs = run_threads(shards, read, duration=1e9)
+    rbytes, _, rsecs, _ = run_threads(shards, read, duration=1e9)
     for n in names:
         if kind == "local":
             os.unlink(n)
