@@ -81,5 +81,10 @@ def verify(dataset: str) -> None:
     click.echo(f"ok: {n} shards verified")
 
 
+from storage.bench.cli import bench  # noqa: E402
+main.add_command(bench)
+from storage.loader.bench import bench_loader  # noqa: E402
+main.add_command(bench_loader, "bench-loader")
+
 if __name__ == "__main__":
     main()

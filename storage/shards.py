@@ -2,8 +2,9 @@
 
 A shard is a plain ustar tar. Each sample is a block of whole documents, stored as two members:
 `KEY.tokens.lz4` (one LZ4 frame of a little-endian uint16/uint32 array; every document ends with EOS)
-and `KEY.json` (document ids, token offsets, source). `SHARD.tar.idx` lists member header offsets and
-sizes in DALI's webdataset index format (v1.2), so one block can be range-read without a scan.
+and `KEY.json` (document ids, token offsets, source). `SHARD.tar.idx` lists member data offsets and
+sizes in DALI's webdataset index format (v1.2; DALI reads it as is), so one block can be range-read
+without a scan.
 """
 from __future__ import annotations
 
@@ -168,8 +169,9 @@ class ShardWriter:
     def index_text(self) -> str:
         lines = [f"v1.2 {len(self.entries)}"]
         for e in self.entries:
-            lines.append(f"{TOKENS_EXT} {e.tokens_offset} {e.tokens_size} {e.key}.{TOKENS_EXT} "
-                         f"{META_EXT} {e.meta_offset} {e.meta_size} {e.key}.{META_EXT}")
+            # DALI's v1.2 index holds data offsets; IndexEntry keeps header offsets (one block before).
+            lines.append(f"{TOKENS_EXT} {e.tokens_offset + TAR_BLOCK} {e.tokens_size} {e.key}.{TOKENS_EXT} "
+                         f"{META_EXT} {e.meta_offset + TAR_BLOCK} {e.meta_size} {e.key}.{META_EXT}")
         return "\n".join(lines) + "\n"
 
     def close(self) -> dict:
@@ -220,8 +222,11 @@ def parse_index(text: str, shard: str) -> list[IndexEntry]:
         if TOKENS_EXT not in comps or META_EXT not in comps:
             raise ShardError(shard + INDEX_SUFFIX, f"line {lineno}: sample lacks a {TOKENS_EXT} or {META_EXT} member")
         key = comps[TOKENS_EXT][2][: -len(TOKENS_EXT) - 1]
-        entries.append(IndexEntry(key, comps[TOKENS_EXT][0], comps[TOKENS_EXT][1],
-                                  comps[META_EXT][0], comps[META_EXT][1]))
+        (t_off, t_size, _), (m_off, m_size, _) = comps[TOKENS_EXT], comps[META_EXT]
+        if t_off < TAR_BLOCK or m_off < TAR_BLOCK or t_off % TAR_BLOCK or m_off % TAR_BLOCK:
+            raise ShardError(shard + INDEX_SUFFIX, f"line {lineno}: member data offsets must be positive multiples "
+                             f"of {TAR_BLOCK}")
+        entries.append(IndexEntry(key, t_off - TAR_BLOCK, t_size, m_off - TAR_BLOCK, m_size))
     if int(lines[0].split()[1]) != len(entries):
         raise ShardError(shard + INDEX_SUFFIX, f"header says {lines[0].split()[1]} samples, found {len(entries)}")
     return entries

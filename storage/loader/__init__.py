@@ -16,4 +16,4 @@ from storage.loader.config import LoaderConfig
 from storage.loader.loader import TokenLoader
 from storage.loader.torchdata import TokenIterableDataset
 
-__all__ = ["LoaderConfig", "TokenLoader", "TokenIterableDataset"]
+__all__ = ["LoaderConfig", "TokenIterableDataset", "TokenLoader"]

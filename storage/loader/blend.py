@@ -167,7 +167,7 @@ class Blend:
                 for st, ph, base in self.segments]
 
     @classmethod
-    def from_state(cls, sources: list[str], seq_len: int, segments: list[dict]) -> "Blend":
+    def from_state(cls, sources: list[str], seq_len: int, segments: list[dict]) -> Blend:
         b = cls(sources, seq_len)
         for seg in segments:
             phases = [Phase(p["name"], dict(p["weights"]), int(p["tokens"])) for p in seg["mix"]]

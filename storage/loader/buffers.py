@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import torch
 
@@ -82,8 +81,3 @@ class CudaStager:
         dev.record_stream(torch.cuda.current_stream(self.device))
         return dev
 
-
-def timed_get(buf: TwoSlotQueue, alive) -> tuple[object, float]:
-    t = time.perf_counter()
-    item = buf.get(alive=alive)
-    return item, time.perf_counter() - t

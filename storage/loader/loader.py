@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import deque
+from typing import Self
 
 import numpy as np
 import torch
@@ -22,12 +24,13 @@ from storage.loader.blend import Blend, mix_fingerprint
 from storage.loader.buffers import CudaStager, Failure, TwoSlotQueue
 from storage.loader.config import LoaderConfig
 from storage.loader.order import SourceOrder
-from storage.loader.pack import Packer, Plan, acquire, plan
+from storage.loader.pack import Packer, Plan, acquire, plan, release
 from storage.loader.prefetch import BlockStore
 from storage.manifest import Manifest, Phase, validate_mix
-from storage.shards import META_EXT, TAR_BLOCK, ShardReader, parse_dtype
+from storage.shards import TAR_BLOCK, ShardReader, parse_dtype
 
 STATE_VERSION = 1
+log = logging.getLogger(__name__)
 
 
 def dataset_fingerprint(m: Manifest) -> str:
@@ -78,8 +81,8 @@ class TokenLoader:
         reader = None
         if cfg.backend == "dali":
             from storage.loader.dali import DaliBlockReader
-            reader = DaliBlockReader(self.ds)
-        self.store = BlockStore([], [], self.itemsize, cfg.prefetch_threads, reader)
+            reader = DaliBlockReader(self.ds)  # raises ConfigError when DALI is absent
+        self.store = BlockStore([], [], self.itemsize, cfg.prefetch_threads, cfg.max_bytes_in_flight, reader)
         # shard indexes and block tables are fetched with the prefetch pool (many small reads remotely)
         list(self.store.pool.map(lambda sh: sh.index, [sh for rs in self.ds.readers.values() for sh in rs]))
         self.orders: list[SourceOrder] = []
@@ -89,6 +92,11 @@ class TokenLoader:
             self.store.refs.append([(sh, k) for sh in rs for k in range(len(sh.index))])
             self.store.block_tokens.append(bt)
             self.orders.append(SourceOrder(name, bt, cfg.seq_len, cfg.seed, cfg.shuffle_window))
+        need = self.window_bytes()
+        if need > cfg.max_bytes_in_flight:
+            log.warning("max_bytes_in_flight %d MiB is below the ~%d MiB of blocks one shuffle window per source "
+                        "spans: blocks will be read and decoded many times over", cfg.max_bytes_in_flight >> 20,
+                        need >> 20)
         self.mix = list(mix) if mix is not None else (list(m.mix) or natural_mix(m))
         validate_mix(self.mix, self.sources)
         self.blend = Blend(self.sources, cfg.seq_len)
@@ -102,6 +110,14 @@ class TokenLoader:
         self._buf = TwoSlotQueue(2)
         self._planned: deque[Plan] = deque()
         self._m = {"wait_s": 0.0, "sequences": 0, "t0": None}
+
+    def window_bytes(self) -> int:
+        """Bytes of the blocks that one shuffle window of every source spans (the cache's working set)."""
+        total = 0
+        for s, o in enumerate(self.orders):
+            per_token = sum(self.store.cost((s << 40) | b) for b in range(len(o.block_tokens))) / o.block_tokens.sum()
+            total += int(min(o.window, o.n_seq) * o.seq_len * per_token) + 2 * int(o.block_tokens.max()) * 4
+        return total
 
     # ---- order (pure functions, usable without reading any data) ----
     def batch_span(self, j: int) -> tuple[int, int]:
@@ -122,37 +138,41 @@ class TokenLoader:
         self._thread = threading.Thread(target=self._produce, name="smoltrain-loader", daemon=True)
         self._thread.start()
 
-    def _plan(self, j: int) -> Plan:
-        g0, g1 = self.batch_span(j)
-        srcs, curs = self.blend.assign(g0, g1)
-        return plan(j, srcs, curs, self.orders)
+    def _plan(self, j: int, n: int = 1) -> list[Plan]:
+        """Plans of this instance's batches j .. j + n - 1 (not yet holding block references)."""
+        spans = [self.batch_span(i) for i in range(j, j + n)]
+        assigned = [self.blend.assign(g0, g1) for g0, g1 in spans]
+        srcs = np.concatenate([a[0] for a in assigned])
+        curs = np.concatenate([a[1] for a in assigned])
+        return plan(j, srcs, curs, self.rows, self.orders)
 
     def _produce(self) -> None:
         j = 0
-        pending: Plan | None = None
+        ready: deque[Plan] = deque()  # planned, not yet referencing blocks
+        chunk = min(8, self.cfg.prefetch_batches)
         try:
             while not self._stop.is_set():
                 while len(self._planned) < self.cfg.prefetch_batches:
-                    p = pending or self._plan(j)
-                    if self._planned and self.store.bytes_in_flight + self.store.new_cost(p.uses) \
+                    if not ready:
+                        ready.extend(self._plan(j, chunk))
+                        j += chunk
+                    p = ready[0]
+                    if self._planned and self.store.bytes_referenced + self.store.new_cost(p.blocks.tolist()) \
                             > self.cfg.max_bytes_in_flight:
-                        pending = p
                         break
-                    pending = None
-                    acquire(p, self.store)
+                    acquire(ready.popleft(), self.store)
                     self._planned.append(p)
-                    j += 1
                 p = self._planned.popleft()
                 out = torch.from_numpy(self.packer.assemble(p))
                 if self._stager is not None:
                     out = CudaStager.pin(out)
                 if not self._buf.put(out, self._stop):
                     return
-        except BaseException as e:  # delivered to the consumer, in order
+        except Exception as e:  # noqa: BLE001 - any failure is handed to the consumer, in order
             self._buf.put(Failure(e), self._stop)
 
     # ---- consumer ----
-    def __iter__(self) -> "TokenLoader":
+    def __iter__(self) -> TokenLoader:
         return self
 
     def __next__(self) -> torch.Tensor:
@@ -207,7 +227,9 @@ class TokenLoader:
         seqs = self._m["sequences"]
         return {"sequences_per_s": seqs / el if el else 0.0, "tokens_per_s": seqs * self.cfg.seq_len / el if el else 0.0,
                 "sequences": seqs, "wait_s": self._m["wait_s"], "bytes_read": self.store.bytes_read,
-                "blocks_read": self.store.blocks_read, "bytes_in_flight": self.store.bytes_in_flight,
+                "blocks_read": self.store.blocks_read,
+                "bytes_in_flight": self.store.bytes_in_flight, "bytes_cached": self.store.bytes_idle,
+                "peak_bytes_in_flight": self.store.peak_bytes_in_flight,
                 "prefetch_depth": self._buf.qsize() + len(self._planned),
                 "quarantined_blocks": len(self.store.bad), "substituted_sequences": self.packer.substituted}
 
@@ -218,8 +240,7 @@ class TokenLoader:
             self._thread.join()
             self._thread = None
         for p in self._planned:
-            for bid, n in p.uses.items():
-                self.store.release(bid, n)
+            release(p, self.store)
         self._planned.clear()
         self._buf.drain()
         if self._stager is not None:
@@ -229,14 +250,8 @@ class TokenLoader:
         self._shutdown()
         self.store.close()
 
-    def __enter__(self) -> "TokenLoader":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -43,7 +43,7 @@ class SourceOrder:
             raise ValueError(f"source {self.name!r} has {total} tokens, fewer than one sequence of "
                              f"{self.seq_len + 1}")
         self._key = source_key(self.name)
-        self._epoch = functools.lru_cache(maxsize=4)(self._epoch_uncached)
+        self._epoch = functools.lru_cache(maxsize=2)(self._epoch_uncached)  # ~16 bytes per block each
         self._window = functools.lru_cache(maxsize=64)(self._window_uncached)
 
     def _epoch_uncached(self, e: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,19 +60,39 @@ class SourceOrder:
         w, o = divmod(j, self.window)
         return e, w * self.window + int(self._window(e, w)[o])
 
-    def pieces(self, k: int) -> list[Piece]:
-        """Where the k-th sequence's seq_len + 1 tokens lie: consecutive (block, start, stop) slices."""
-        e, q = self.position(k)
-        perm, ends = self._epoch(e)
+    def locate(self, ks: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Where sequences ks (cursors) lie, vectorized: arrays (which, block, start, stop, dst) with one
+        entry per block slice; `which` indexes ks, `dst` is the slice's offset within its row."""
+        ks = np.asarray(ks, dtype=np.int64)
+        e, j = np.divmod(ks, self.n_seq)
+        w, o = np.divmod(j, self.window)
+        q = np.empty_like(ks)
+        pair = e * (self.n_seq // self.window + 2) + w
+        for pv in np.unique(pair):
+            m = pair == pv
+            ee, ww = int(e[m][0]), int(w[m][0])
+            q[m] = ww * self.window + self._window(ee, ww)[o[m]]
         t0 = q * self.seq_len
         t1 = t0 + self.seq_len + 1
-        i = int(np.searchsorted(ends, t0, side="right"))
-        out: list[Piece] = []
-        while t0 < t1:
-            b = int(perm[i])
-            bstart = int(ends[i]) - int(self.block_tokens[b])
-            stop = min(t1, int(ends[i]))
-            out.append((b, t0 - bstart, stop - bstart))
-            t0 = stop
-            i += 1
-        return out
+        parts = []
+        for ee in np.unique(e):
+            idx = np.flatnonzero(e == ee)
+            perm, ends = self._epoch(int(ee))
+            i0 = np.searchsorted(ends, t0[idx], side="right")
+            i1 = np.searchsorted(ends, t1[idx] - 1, side="right")
+            cnt = i1 - i0 + 1
+            first = np.repeat(np.cumsum(cnt) - cnt, cnt)
+            i = np.repeat(i0, cnt) + np.arange(int(cnt.sum())) - first
+            which = np.repeat(idx, cnt)
+            b = perm[i]
+            bend = ends[i]
+            bstart = bend - self.block_tokens[b]
+            lo = np.maximum(t0[which], bstart)
+            hi = np.minimum(t1[which], bend)
+            parts.append((which, b, lo - bstart, hi - bstart, lo - t0[which]))
+        return tuple(np.concatenate(x) for x in zip(*parts))
+
+    def pieces(self, k: int) -> list[Piece]:
+        """Where the k-th sequence's seq_len + 1 tokens lie: consecutive (block, start, stop) slices."""
+        _, b, a, z, _ = self.locate(np.array([k]))
+        return list(zip(b.tolist(), a.tolist(), z.tolist()))

@@ -1,15 +1,17 @@
 """Block prefetching: a bounded thread pool reads, verifies and LZ4-decodes blocks ahead of use.
 
-Blocks are reference-counted by the planner (one reference per sequence that needs the block), so a
-block is read once however many sequences it feeds, and dropped when the last of them is packed.
-Bytes in flight (compressed + decoded bytes of every block requested and not yet dropped) are accounted
-at request time from the index and the manifest, so the planner can stay under its budget before it
+Blocks are reference-counted by the planner (one reference per planned sequence that needs the
+block). A block whose references reach zero stays cached (least recently used first out), because the
+window shuffle brings the rest of its sequences back a few hundred sequences later; cached blocks are
+evicted whenever the bytes held would exceed the budget. Bytes (compressed + decoded, per block) are
+known at request time from the index and the manifest, so the planner stays under its budget before it
 asks. Reads go through ShardReader (pread locally, fsspec range reads with retries remotely); the
 decode runs in the pool threads (python-lz4 releases the GIL).
 """
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -17,7 +19,16 @@ import numpy as np
 
 from storage.shards import TAR_BLOCK, ShardError, ShardReader, decode_block
 
-BlockId = tuple[int, int]  # (source index, block number within the source)
+BlockId = int  # source index << 40 | block number within the source
+_SHIFT = 40
+
+
+def block_id(source: int, block: int) -> BlockId:
+    return (source << _SHIFT) | block
+
+
+def split_id(bid: BlockId) -> tuple[int, int]:
+    return bid >> _SHIFT, bid & ((1 << _SHIFT) - 1)
 
 
 @dataclass
@@ -25,52 +36,83 @@ class _Entry:
     future: Future
     refs: int
     nbytes: int
+    tokens: np.ndarray | None = None
 
 
 class BlockStore:
     def __init__(self, refs: list[list[tuple[ShardReader, int]]], block_tokens: list[np.ndarray],
-                 itemsize: int, threads: int, reader=None):
+                 itemsize: int, threads: int, max_bytes: int, reader=None):
         """`refs[s][b]` = (shard reader, block index in that shard) of block b of source s; `reader`
         (optional) replaces ShardReader.read_raw, e.g. with DALI's."""
         self.refs, self.block_tokens, self.itemsize = refs, block_tokens, itemsize
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smoltrain-prefetch")
         self._read_raw = reader or (lambda sh, k: sh.read_raw(k))
+        self.max_bytes = max_bytes
         self._entries: dict[BlockId, _Entry] = {}
+        self._idle: OrderedDict[BlockId, None] = OrderedDict()  # cached, unreferenced blocks, LRU first
+        self.bytes_idle = 0
         self._lock = threading.Lock()
         self.bytes_in_flight = 0
+        self.peak_bytes_in_flight = 0
         self.bytes_read = 0
         self.blocks_read = 0
         self.bad: dict[BlockId, ShardError] = {}
 
     def cost(self, bid: BlockId) -> int:
         """Bytes a block occupies while in flight: its compressed span plus its decoded tokens."""
-        sh, k = self.refs[bid[0]][bid[1]]
-        return sh.index[k].span[1] + int(self.block_tokens[bid[0]][bid[1]]) * self.itemsize
+        s, b = split_id(bid)
+        sh, k = self.refs[s][b]
+        return sh.index[k].span[1] + int(self.block_tokens[s][b]) * self.itemsize
 
     def new_cost(self, bids) -> int:
+        """Bytes that referencing `bids` would add to the referenced (non-evictable) bytes."""
         with self._lock:
-            return sum(self.cost(b) for b in set(bids) if b not in self._entries)
+            return sum(self.cost(b) if b not in self._entries else (self._entries[b].nbytes if b in self._idle else 0)
+                       for b in set(bids))
 
-    def acquire(self, bid: BlockId, n: int = 1) -> None:
+    @property
+    def bytes_referenced(self) -> int:
+        return self.bytes_in_flight - self.bytes_idle
+
+    def acquire(self, bids: list[BlockId], uses: list[int]) -> None:
+        """Take `uses[i]` references on block bids[i], submitting reads for blocks not held yet."""
         with self._lock:
-            e = self._entries.get(bid)
-            if e is None:
-                nbytes = self.cost(bid)
-                e = self._entries[bid] = _Entry(self.pool.submit(self._load, bid), 0, nbytes)
-                self.bytes_in_flight += nbytes
-            e.refs += n
+            for bid, n in zip(bids, uses):
+                e = self._entries.get(bid)
+                if e is None:
+                    nbytes = self.cost(bid)
+                    self._evict(nbytes)
+                    e = self._entries[bid] = _Entry(self.pool.submit(self._load, bid), 0, nbytes)
+                    self.bytes_in_flight += nbytes
+                    self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self.bytes_in_flight)
+                elif bid in self._idle:
+                    del self._idle[bid]
+                    self.bytes_idle -= e.nbytes
+                e.refs += n
+
+    def _evict(self, incoming: int) -> None:
+        while self._idle and self.bytes_in_flight + incoming > self.max_bytes:
+            bid, _ = self._idle.popitem(last=False)
+            e = self._entries.pop(bid)
+            self.bytes_idle -= e.nbytes
+            self.bytes_in_flight -= e.nbytes
 
     def get(self, bid: BlockId) -> np.ndarray:
         """The block's tokens (waits for its read); raises ShardError for a corrupt block."""
-        return self._entries[bid].future.result()
+        e = self._entries[bid]
+        if e.tokens is None:
+            e.tokens = e.future.result()
+        return e.tokens
 
-    def release(self, bid: BlockId, n: int = 1) -> None:
+    def release(self, bids: list[BlockId], uses: list[int]) -> None:
         with self._lock:
-            e = self._entries[bid]
-            e.refs -= n
-            if e.refs <= 0:
-                del self._entries[bid]
-                self.bytes_in_flight -= e.nbytes
+            for bid, n in zip(bids, uses):
+                e = self._entries[bid]
+                e.refs -= n
+                if e.refs <= 0:
+                    self._idle[bid] = None
+                    self.bytes_idle += e.nbytes
+            self._evict(0)
 
     def load_now(self, bid: BlockId) -> np.ndarray:
         """Read a block outside the reference counting (quarantine stand-ins); raises ShardError."""
@@ -79,7 +121,8 @@ class BlockStore:
         return self.pool.submit(self._load, bid).result()
 
     def _load(self, bid: BlockId) -> np.ndarray:
-        sh, k = self.refs[bid[0]][bid[1]]
+        s, b = split_id(bid)
+        sh, k = self.refs[s][b]
         entry = sh.index[k]
         try:
             payload, meta = self._read_raw(sh, k)
@@ -90,7 +133,7 @@ class BlockStore:
             self.bytes_read += len(payload) + len(meta) + 2 * TAR_BLOCK
             self.blocks_read += 1
         block = decode_block(sh.url, entry.key, payload, meta, entry.tokens_offset)
-        want = int(self.block_tokens[bid[0]][bid[1]])
+        want = int(self.block_tokens[s][b])
         if len(block.tokens) != want:
             raise ShardError(sh.url, f"block has {len(block.tokens)} tokens, the manifest says {want}",
                              f"{entry.key}.tokens.lz4", entry.tokens_offset)
@@ -100,4 +143,5 @@ class BlockStore:
         self.pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._entries.clear()
-            self.bytes_in_flight = 0
+            self._idle.clear()
+            self.bytes_in_flight = self.bytes_idle = 0
