@@ -1,5 +1,14 @@
 """smoltrain datapipe: raw documents → filtered, deduplicated, tokenized shards with a mix schedule.
 
-Built on datatrove (readers, filters, MinHash stages, executors) and HF `tokenizers`; writes shard
-format v1 through `storage`. Entry point: the `datapipe` command (`datapipe.cli`).
+`datapipe build CONFIG` reads named sources (fsspec paths/globs of JSONL(.gz/.zst), Parquet or text),
+normalises Unicode, applies datatrove's Gopher/C4/FineWeb filters (with a fast spaCy-compatible English
+word tokenizer), removes exact and MinHash near-duplicates across sources (kept in the highest-priority
+source, clusters reported), tokenizes with HF `tokenizers` (a local tokenizer.json or a BPE trained
+offline) and writes shard format v1 per source plus `manifest.json` with counts and the mix schedule,
+through `storage`. Stages run on datatrove's Local, Ray or Slurm executors, are resumable, and give
+byte-identical output for the same config and inputs.
+
+Modules: cli (commands), config (typed configs), sources (readers), normalize, filters + wordtok (quality
+filters), dedup/ (exact, minhash), tokenize, steps (one-task stages), pipeline (stage assembly, manifest),
+executors, report, demo (embedded stdlib corpus). Reference: docs/datapipe.md.
 """

@@ -39,6 +39,8 @@ _INFIX = regex.compile(
 _URL = regex.compile(r"^(?:(?:https?|ftp)://\S+|(?:\S+(?::\S*)?@)?(?:[A-Za-z0-9\u00a1-\uffff_-]+\.)+[a-z\u00a1-\uffff]{2,63}(?::\d{2,5})?"
                      r"(?:[/?#]\S*)?)$")
 _PLAIN = regex.compile(r"^(?:\p{L}+|[0-9]+)$")
+# a word followed by one punctuation mark: the most common chunk that needs splitting
+_WORD_PUNCT = regex.compile(r"^(\p{L}+)([,;:!?.])$")
 
 # spaCy 3.8's English tokenizer exceptions (MIT licence): contractions, abbreviations, emoticons.
 _EXC: dict[str, list[str]] = json.loads(
@@ -124,14 +126,37 @@ def _affix_split(s: str, out: list[str]) -> None:
     out.extend(reversed(suffixes))
 
 
+_CHUNKS: dict[str, tuple[str, ...]] = {}  # memo of the slow path: punctuated chunks repeat a lot
+_CHUNKS_MAX = 200_000
+
+
 def tokenize_words(text: str) -> list[str]:
     out: list[str] = []
-    plain = _PLAIN.match
+    plain, word_punct, exc = _PLAIN.match, _WORD_PUNCT.match, _EXC
     for chunk in text.split():
-        if plain(chunk) and chunk not in _EXC:
-            out.append(chunk)
-        else:
-            _split_chunk(chunk, out)
+        if plain(chunk):
+            if chunk not in exc:
+                out.append(chunk)
+                continue
+        elif chunk not in exc:
+            m = word_punct(chunk)
+            if m:
+                w, p = m.groups()
+                # spaCy splits a final "." only after a lower-case letter or two upper-case ones
+                if w not in exc and (p != "." or w[-1].islower() or (len(w) > 1 and w[-1].isupper()
+                                                                    and w[-2].isupper())):
+                    out.append(w)
+                    out.append(p)
+                    continue
+        hit = _CHUNKS.get(chunk)
+        if hit is None:
+            pieces: list[str] = []
+            _split_chunk(chunk, pieces)
+            hit = tuple(pieces)
+            if len(_CHUNKS) >= _CHUNKS_MAX:
+                _CHUNKS.clear()
+            _CHUNKS[chunk] = hit
+        out.extend(hit)
     return out
 
 
@@ -165,6 +190,9 @@ class FastWordTokenizer(WordTokenizer):
     def span_tokenize(self, text: str) -> list[tuple[int, int]]:
         """Sentence spans as spaCy's sentencizer draws them: a sentence ends after a run of
         sentence-final punctuation, at the next token that is not punctuation."""
+        if not any(c in SENT_END for c in text):
+            stripped = text.rstrip()
+            return [(0, len(stripped))] if stripped else [(0, 0)]
         spans: list[tuple[int, int]] = []
         pos = start = 0
         seen_end = False

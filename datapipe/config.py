@@ -1,0 +1,191 @@
+"""Typed configs of `datapipe build`, `datapipe mix` and their parts (validated by storage.config)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from storage.config import ConfigError
+from storage.manifest import Phase
+
+FILTER_TYPES = ("gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext")
+
+
+@dataclass
+class FilterSpec:
+    """One datatrove filter; `params` are its constructor's keyword arguments (thresholds)."""
+    type: Literal["gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext"]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def fineweb_filters() -> list[FilterSpec]:
+    """FineWeb's heuristic chain with datatrove's default thresholds (C4 without the terminal-punct rule)."""
+    return [FilterSpec("gopher_repetition"), FilterSpec("gopher_quality"),
+            FilterSpec("c4", {"filter_no_terminal_punct": False}), FilterSpec("fineweb")]
+
+
+@dataclass
+class SourceConfig:
+    name: str
+    paths: list[str]
+    format: Literal["auto", "jsonl", "parquet", "text"] = "auto"
+    text_field: str = "text"
+    id_field: str | None = "id"
+    filters: list[FilterSpec] | None = None  # None: the build's default_filters
+
+    def validate(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith((".", "_")) or self.name == "rejects":
+            raise ConfigError(f"source name {self.name!r} must be a plain folder name")
+        if not self.paths:
+            raise ConfigError(f"source {self.name!r}: paths must list at least one path or glob")
+
+
+@dataclass
+class NormalizeConfig:
+    """Unicode normalisation applied before anything else."""
+    form: Literal["NFC", "NFKC", "none"] = "NFC"
+    strip_control: bool = True  # drop C0/C1 control characters except \n and \t
+    whitespace: bool = True  # \r\n → \n, odd spaces → ' ', trailing spaces cut, 3+ blank lines → 2
+    max_chars: int = 1_000_000  # longer documents are rejected ("read" filter)
+
+
+@dataclass
+class MinhashSettings:
+    enabled: bool = True
+    n_grams: int = 5
+    bands: int = 14
+    rows: int = 8
+    hash_bits: Literal[32, 64] = 64
+    hash_fc: Literal["xxhash", "sha1"] = "xxhash"
+    seed: int = 1
+    fast_signatures: bool = True  # our vectorised signature step (same signatures as datatrove's)
+
+    def validate(self) -> None:
+        if self.n_grams < 1 or self.bands < 1 or self.rows < 1:
+            raise ConfigError("minhash n_grams, bands and rows must be >= 1")
+
+
+@dataclass
+class DedupConfig:
+    exact: bool = True
+    minhash: MinhashSettings = field(default_factory=MinhashSettings)
+
+
+@dataclass
+class TokenizerConfig:
+    """A local tokenizer.json (or hub name, online only); with no path a byte-level BPE is trained."""
+    path: str | None = None
+    vocab_size: int = 8192  # when training
+    eos_token: str = "<|endoftext|>"
+    train_max_docs: int = 200_000
+    batch_size: int = 256
+
+
+@dataclass
+class ShardsConfig:
+    block_tokens: int = 262_144
+    shard_blocks: int = 64
+
+
+@dataclass
+class PhaseSpec:
+    """A mix phase: weights per source and a length as tokens, or as a fraction of mix.total_tokens."""
+    name: str
+    weights: dict[str, float]
+    tokens: int | None = None
+    fraction: float | None = None
+
+
+@dataclass
+class MixConfig:
+    total_tokens: int | None = None  # None: all tokens written
+    phases: list[PhaseSpec] = field(default_factory=list)
+
+    def validate(self) -> None:
+        for i, ph in enumerate(self.phases):
+            if (ph.tokens is None) == (ph.fraction is None):
+                raise ConfigError(f"key 'mix.phases.{i}' ({ph.name!r}): give exactly one of tokens or fraction")
+        fracs = [p.fraction for p in self.phases if p.fraction is not None]
+        if fracs and len(fracs) != len(self.phases):
+            raise ConfigError("key 'mix.phases': use fractions for all phases or tokens for all")
+        if fracs and not math.isclose(sum(fracs), 1.0, abs_tol=1e-6):
+            raise ConfigError(f"key 'mix.phases': fractions add up to {sum(fracs):g}, not 1")
+        toks = [p.tokens for p in self.phases if p.tokens is not None]
+        if toks and self.total_tokens is not None and sum(toks) != self.total_tokens:
+            raise ConfigError(f"key 'mix.phases': phase tokens add up to {sum(toks):,}, "
+                              f"mix.total_tokens is {self.total_tokens:,}")
+
+    def resolve(self, sources: dict[str, int]) -> list[Phase]:
+        """Phases with token lengths, for a dataset whose sources hold `sources` tokens."""
+        total = self.total_tokens if self.total_tokens is not None else sum(sources.values())
+        if not self.phases:
+            return [Phase("stable", {s: float(t) / max(total, 1) for s, t in sources.items() if t > 0}, max(total, 1))]
+        out = []
+        for ph in self.phases:
+            tokens = ph.tokens if ph.tokens is not None else round(ph.fraction * total)
+            out.append(Phase(ph.name, dict(ph.weights), tokens))
+        return out
+
+
+@dataclass
+class SlurmSettings:
+    partition: str = "cpu"
+    time: str = "04:00:00"
+    cpus_per_task: int = 1
+    mem_per_cpu_gb: int = 2
+    job_name: str = "datapipe"
+    venv_path: str | None = None
+    sbatch_args: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RaySettings:
+    address: str | None = None  # None: start a local Ray
+    num_cpus: int | None = None
+    cpus_per_task: int = 1
+
+
+@dataclass
+class ExecutorConfig:
+    kind: Literal["local", "slurm", "ray"] = "local"
+    workers: int = 1
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
+    ray: RaySettings = field(default_factory=RaySettings)
+
+
+@dataclass
+class BuildConfig:
+    output: str = "data/demo"
+    sources: list[SourceConfig] = field(default_factory=list)  # empty: the embedded stdlib demo corpus
+    work_dir: str | None = None  # default: OUTPUT/_work
+    word_tokenizer: Literal["fast", "spacy"] = "fast"
+    default_filters: list[FilterSpec] = field(default_factory=fineweb_filters)
+    normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    shards: ShardsConfig = field(default_factory=ShardsConfig)
+    mix: MixConfig = field(default_factory=MixConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    seed: int = 0
+
+    def validate(self) -> None:
+        names = [s.name for s in self.sources]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ConfigError(f"key 'sources': duplicate source name {min(dup)!r}")
+        if self.sources:
+            for i, ph in enumerate(self.mix.phases):
+                for s in ph.weights:
+                    if s not in names:
+                        raise ConfigError(f"key 'mix.phases.{i}' ({ph.name!r}): unknown source {s!r} "
+                                          f"(sources: {', '.join(names)})")
+
+    def filters_for(self, src: SourceConfig) -> list[FilterSpec]:
+        return self.default_filters if src.filters is None else src.filters
+
+
+@dataclass
+class MixCommandConfig:
+    """`datapipe mix CONFIG`: rewrite the mix schedule of an existing dataset."""
+    dataset: str
+    mix: MixConfig = field(default_factory=MixConfig)

@@ -1,0 +1,1 @@
+"""Deduplication across all sources: exact (normalised-text hash) and MinHash near-duplicates."""

@@ -1,0 +1,92 @@
+"""MinHash near-dedup on datatrove's four stages, with a faster signature step and priority-aware keeps.
+
+- `minhash_config` maps our settings (n-grams, bands × rows, hash width) onto datatrove's MinhashConfig.
+- `FastMinhashSignature` is datatrove's `MinhashDedupSignature` with the spaCy word split replaced by our
+  `FastWordTokenizer` and the per-document min computed in one vectorised pass; it writes the same
+  signature files (checked by tests and tools/bench/bench_dedup.py).
+- datatrove's cluster stage keeps an arbitrary member of each cluster (union by size);
+  `resolve_clusters` rewrites its `.remove` files so the member first in priority order is kept, and
+  writes the clusters (ids) to a JSONL report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import xxhash
+from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
+from datatrove.utils.hashing import HashConfig
+from datatrove.utils.text import simplify_text
+
+from datapipe.config import MinhashSettings
+from datapipe.dedup.exact import atomic_text
+from datapipe.wordtok import tokenize_words
+
+_MERSENNE = np.uint64((1 << 61) - 1)
+
+
+def minhash_config(s: MinhashSettings) -> MinhashConfig:
+    return MinhashConfig(n_grams=s.n_grams, num_buckets=s.bands, hashes_per_bucket=s.rows, seed=s.seed,
+                         hash_config=HashConfig(precision=s.hash_bits, hash_fc=s.hash_fc))
+
+
+class FastMinhashSignature(MinhashDedupSignature):
+    """Same signatures as `MinhashDedupSignature(language="en")`, computed faster."""
+
+    name = "🎯 MinHash stage 1 (fast)"
+
+    def get_shingles(self, text: str) -> np.ndarray:
+        words = tokenize_words(simplify_text(text, self.config.norm_config))
+        n = self.config.n_grams
+        if len(words) < n:
+            return np.zeros((0, 1), dtype=np.uint64)
+        if self.config.hash_config.hash_fc == "xxhash":
+            h = xxhash.xxh64_intdigest if self.config.hash_config.precision == 64 else xxhash.xxh32_intdigest
+        else:
+            h = self._hash_func
+        joined = [" ".join(words[i:i + n]) for i in range(len(words) - n + 1)]
+        return np.fromiter(map(h, joined), dtype=np.uint64, count=len(joined)).reshape((-1, 1))
+
+
+def resolve_clusters(cluster_dir: str, remove_dir: str, n_ranks: int, ids_dir: str, report_path: str) -> int:
+    """Keep, per near-duplicate cluster, the member first in (rank, index) order; write
+    `remove_dir/{rank:06d}.remove` as datatrove's filter stage reads it and a JSONL cluster report.
+    Returns the number of documents to remove."""
+    members: dict[int, list[tuple[int, int]]] = {}
+    for r in range(n_ranks):
+        path = os.path.join(cluster_dir, f"{r:06d}.clusters")
+        if not os.path.exists(path):
+            continue
+        pairs = np.fromfile(path, dtype="<u4").reshape(-1, 2)
+        for doc, cid in pairs.tolist():
+            members.setdefault(cid, []).append((r, doc))
+    removes: dict[int, list[int]] = {r: [] for r in range(n_ranks)}
+    clusters = []
+    for cid in sorted(members):
+        mem = sorted(members[cid])
+        clusters.append(mem)
+        for r, d in mem[1:]:
+            removes[r].append(d)
+    os.makedirs(remove_dir, exist_ok=True)
+    total = 0
+    for r, docs in removes.items():
+        docs.sort()
+        total += len(docs)
+        data = struct.pack(f"<{len(docs)}I", *docs)
+        from storage.fs import atomic_write_bytes
+
+        atomic_write_bytes(os.path.join(remove_dir, f"{r:06d}.remove"), data)
+    ids: dict[int, list[str]] = {}
+
+    def doc_id(r: int, d: int) -> str:
+        if r not in ids:
+            with open(os.path.join(ids_dir, f"{r:05d}.ids.json")) as f:
+                ids[r] = json.load(f)
+        return ids[r][d]
+
+    clusters.sort()
+    lines = [json.dumps({"kept": doc_id(*m[0]), "removed": [doc_id(*x) for x in m[1:]]}) + "\n" for m in clusters]
+    atomic_text(report_path, "".join(lines))
+    return total

@@ -1,0 +1,69 @@
+"""The embedded demo corpus for `datapipe build` with no config (and `make demo`).
+
+Harvested at run time from what every Python install has, so the repository ships no third-party text:
+`stdlib` = docstrings of the standard library's modules (read with `ast`, nothing is imported) and
+`topics` = the help topics of `pydoc_data`. Written as JSONL under the output folder.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sysconfig
+
+from datapipe.config import BuildConfig, FilterSpec, MixConfig, PhaseSpec, SourceConfig, TokenizerConfig
+
+
+def _stdlib_docs(limit: int) -> list[dict]:
+    root = sysconfig.get_paths()["stdlib"]
+    docs = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib",
+                                                              "lib2to3", "__pycache__") and not d.startswith("."))
+        for fn in sorted(filenames):
+            if not fn.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, fn)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, OSError):
+                continue
+            parts = []
+            for node in [tree, *ast.walk(tree)]:
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and doc not in parts:
+                        parts.append(doc)
+            text = "\n\n".join(parts)
+            if len(text) > 200:
+                docs.append({"id": os.path.relpath(path, root), "text": text})
+            if len(docs) >= limit:
+                return docs
+    return docs
+
+
+def _topics() -> list[dict]:
+    from pydoc_data.topics import topics
+
+    return [{"id": k, "text": v} for k, v in sorted(topics.items())]
+
+
+def demo_config(output: str, limit: int = 400) -> BuildConfig:
+    """Write the demo corpus under OUTPUT/_demo_input and return a build config over it."""
+    src_dir = os.path.join(output, "_demo_input")
+    os.makedirs(src_dir, exist_ok=True)
+    for name, docs in (("stdlib", _stdlib_docs(limit)), ("topics", _topics())):
+        with open(os.path.join(src_dir, f"{name}.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(d) + "\n" for d in docs)
+    relaxed = [FilterSpec("gopher_quality", {"min_doc_words": 20, "max_non_alpha_words_ratio": 0.5}),
+               FilterSpec("fineweb", {"line_punct_thr": 0.05, "short_line_thr": 0.9, "char_duplicates_ratio": 0.2,
+                                      "new_line_ratio": 0.5})]
+    return BuildConfig(
+        output=output,
+        sources=[SourceConfig("stdlib", [os.path.join(src_dir, "stdlib.jsonl")], filters=relaxed),
+                 SourceConfig("topics", [os.path.join(src_dir, "topics.jsonl")], filters=relaxed)],
+        tokenizer=TokenizerConfig(vocab_size=4096),
+        mix=MixConfig(phases=[PhaseSpec("stable", {"stdlib": 0.7, "topics": 0.3}, fraction=0.8),
+                              PhaseSpec("decay", {"stdlib": 0.5, "topics": 0.5}, fraction=0.2)]),
+    )

@@ -1,0 +1,149 @@
+"""Run one build stage on datatrove's Local or Ray executor, or submit the whole chain to Slurm.
+
+Local is the default (`workers` processes). Ray starts a local Ray (or joins `ray.address`) and runs
+the same stages as Ray tasks. Slurm chains one `SlurmPipelineExecutor` per stage with `depends`; with
+`dry_run` the sbatch scripts (and, beside each, the `sbatch` command line with its `--dependency`) are
+written to `WORK/slurm/` instead of being submitted (no Slurm here).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+from datapipe.config import ExecutorConfig
+
+
+@contextlib.contextmanager
+def quiet_datatrove(verbose: bool = False):
+    """datatrove prints every task's pipeline and stats at INFO; keep the console to warnings (the full
+    logs are still written to each stage's logging_dir)."""
+    if verbose:
+        yield
+        return
+    from datatrove.executor import base
+    from loguru import logger
+
+    add, close = base.add_task_logger, base.close_task_logger
+
+    def quiet_add(logging_dir, rank, local_rank=0, node_rank=-1):
+        return add(logging_dir, rank, local_rank=1, node_rank=node_rank)  # local_rank != 0: ERROR on stderr
+
+    def quiet_close(logfile):
+        close(logfile)
+        logger.remove()
+        logger.add(sys.stderr, level="WARNING")
+
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    base.add_task_logger, base.close_task_logger = quiet_add, quiet_close
+    try:
+        yield
+    finally:
+        base.add_task_logger, base.close_task_logger = add, close
+
+
+@contextlib.contextmanager
+def task_bar(name: str, tasks: int, logging_dir: str, enabled: bool):
+    """A per-stage progress bar fed by datatrove's completion markers (works for every executor)."""
+    if not enabled:
+        yield
+        return
+    import threading
+
+    from tqdm import tqdm
+
+    done_dir = os.path.join(logging_dir, "completions")
+    bar = tqdm(total=tasks, desc=f"  {name}", unit="task", leave=False)
+    stop = threading.Event()
+
+    def poll():
+        while not stop.wait(0.2):
+            n = len(os.listdir(done_dir)) if os.path.isdir(done_dir) else 0
+            bar.update(n - bar.n)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        bar.close()
+
+
+def run_stage(ex: ExecutorConfig, name: str, pipeline: list, tasks: int, workers: int, logging_dir: str,
+              verbose: bool = False, progress: bool = False) -> None:
+    with quiet_datatrove(verbose), task_bar(name, tasks, logging_dir, progress):
+        _run_stage(ex, name, pipeline, tasks, workers, logging_dir)
+
+
+def _run_stage(ex: ExecutorConfig, name: str, pipeline: list, tasks: int, workers: int, logging_dir: str) -> None:
+    if ex.kind == "ray":
+        ray = _import_ray()
+        from datatrove.executor.ray import RayPipelineExecutor
+
+        if not ray.is_initialized():
+            ray.init(address=ex.ray.address, num_cpus=ex.ray.num_cpus, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
+        RayPipelineExecutor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)), logging_dir=logging_dir,
+                            cpus_per_task=ex.ray.cpus_per_task).run()
+    else:
+        from datatrove.executor.local import LocalPipelineExecutor
+
+        LocalPipelineExecutor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)),
+                              logging_dir=logging_dir, skip_completed=True).run()
+    _check_complete(name, logging_dir, tasks)
+
+
+def _check_complete(name: str, logging_dir: str, tasks: int) -> None:
+    done = os.path.join(logging_dir, "completions")
+    missing = [r for r in range(tasks) if not os.path.exists(os.path.join(done, f"{r:05d}"))]
+    if missing:
+        raise RuntimeError(f"stage {name!r}: tasks {missing[:10]} did not complete; see {logging_dir}/logs/")
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("executor.kind is 'ray' but Ray is not installed; install it with "
+                           "`pip install 'ray>=2.9'` (or `pip install smoltrain[ray]`)") from None
+    return ray
+
+
+def submit_slurm(ex: ExecutorConfig, stages: list, work: str, dry_run: bool) -> list[str]:
+    """Chain one Slurm array job per stage; return the sbatch scripts (written under WORK/slurm/)."""
+    from datatrove.executor import slurm as dt_slurm
+
+    scripts: list[str] = []
+    out_dir = os.path.join(work, "slurm")
+    os.makedirs(out_dir, exist_ok=True)
+    real_launch = dt_slurm.launch_slurm_job
+
+    def fake_launch(contents: str, job_id_retriever=None, *args) -> str:
+        path = os.path.join(out_dir, f"{len(scripts):02d}.sbatch")
+        with open(path, "w") as f:
+            f.write(contents)
+        with open(path + ".cmd", "w") as f:  # the sbatch command line datatrove would run (dependencies)
+            f.write(" ".join(["sbatch", *args, path]) + "\n")
+        scripts.append(path)
+        return str(1000 + len(scripts))
+
+    s = ex.slurm
+    prev = None
+    execs = []
+    for st in stages:
+        prev = dt_slurm.SlurmPipelineExecutor(
+            st.pipeline, tasks=st.tasks, time=s.time, partition=s.partition, cpus_per_task=s.cpus_per_task,
+            mem_per_cpu_gb=s.mem_per_cpu_gb, job_name=f"{s.job_name}-{st.name}", venv_path=s.venv_path,
+            sbatch_args=dict(s.sbatch_args) or None, logging_dir=os.path.join(work, "logs", st.name),
+            slurm_logs_folder=os.path.join(work, "slurm", "logs", st.name), depends=prev, skip_completed=True)
+        execs.append(prev)
+    if dry_run:
+        dt_slurm.launch_slurm_job = fake_launch
+    try:
+        prev.run()
+    finally:
+        dt_slurm.launch_slurm_job = real_launch
+    return scripts

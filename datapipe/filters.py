@@ -1,0 +1,185 @@
+"""Build datatrove's quality filters (Gopher, C4, FineWeb, language ID, fastText) from config specs.
+
+Each filter gets a datatrove `JsonlWriter` as exclusion writer, so every dropped document lands in
+`rejects/<filter>/` with its reason. English word splitting goes through our `FastWordTokenizer`
+(default) or datatrove's spaCy tokenizer (`word_tokenizer: spacy`); thresholds are datatrove's. With the
+fast tokenizer the Gopher repetition rules run as `FastGopherRepetitionFilter` (integer n-gram ids).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import numpy as np
+from datatrove.pipeline.filters import (
+    C4ParagraphFilter,
+    C4QualityFilter,
+    FastTextClassifierFilter,
+    FineWebQualityFilter,
+    GopherQualityFilter,
+    GopherRepetitionFilter,
+    LanguageFilter,
+)
+from datatrove.pipeline.filters.base_filter import BaseFilter
+from datatrove.pipeline.filters.gopher_repetition_filter import find_duplicates
+from datatrove.pipeline.writers.jsonl import JsonlWriter
+from datatrove.utils.text import split_into_words
+
+from datapipe.config import FilterSpec
+from datapipe.wordtok import FastWordTokenizer
+from storage.config import ConfigError
+
+_CLASSES: dict[str, type[BaseFilter]] = {
+    "gopher_repetition": GopherRepetitionFilter,
+    "gopher_quality": GopherQualityFilter,
+    "c4": C4QualityFilter,
+    "c4_paragraph": C4ParagraphFilter,
+    "fineweb": FineWebQualityFilter,
+    "language": LanguageFilter,
+    "fasttext": FastTextClassifierFilter,
+}
+_RESERVED = {"exclusion_writer", "language", "model_url"}
+
+
+class FastGopherRepetitionFilter(GopherRepetitionFilter):
+    """datatrove's Gopher repetition rules with n-grams as integer ids instead of joined strings.
+
+    Same checks in the same order. Top n-grams: the most frequent n-gram, ties to the first seen (as
+    `Counter.most_common`), length with separators. Duplicate n-grams: datatrove's skip-ahead scan, but
+    n-grams are compared as word sequences where datatrove compares their separator-less concatenation
+    (so "ab c" and "a bc" no longer collide)."""
+
+    def filter(self, doc):
+        text = doc.text
+        if not text:
+            return False, "empty"
+        paragraphs = self.paragraph_exp.split(text.strip())
+        paragraphs_duplicates, char_duplicates = find_duplicates(paragraphs)
+        if self.dup_para_frac and paragraphs_duplicates / len(paragraphs) > self.dup_para_frac:
+            return False, "dup_para_frac"
+        if self.dup_para_char_frac and char_duplicates / len(text) > self.dup_para_char_frac:
+            return False, "dup_para_char_frac"
+        lines = self._line_splitter.split(text)
+        line_duplicates, char_duplicates = find_duplicates(lines)
+        if self.dup_line_frac and line_duplicates / len(lines) > self.dup_line_frac:
+            return False, "dup_line_frac"
+        if self.dup_line_char_frac and char_duplicates / len(text) > self.dup_line_char_frac:
+            return False, "dup_line_char_frac"
+        words = split_into_words(text, self.language)
+        if len(words) < 400:  # numpy's per-call cost exceeds the string work on short documents
+            return self._ngram_checks_strings(words, text)
+        vocab: dict[str, int] = {}
+        ids = np.fromiter((vocab.setdefault(w, len(vocab)) for w in words), dtype=np.int64, count=len(words))
+        csum = np.concatenate([[0], np.cumsum(np.fromiter(map(len, words), dtype=np.int64, count=len(words)))])
+        n_text = len(text)
+
+        cls_cache = {1: ids}
+
+        def classes(n: int) -> np.ndarray:
+            """An id per position, equal iff the n words starting there are equal (built from n-1)."""
+            if n not in cls_cache:
+                prev = classes(n - 1)
+                key = prev[:-1] * (len(vocab) + 1) + ids[n - 1:]
+                cls_cache[n] = np.unique(key, return_inverse=True)[1].reshape(-1)
+            return cls_cache[n]
+
+        for n, n_frac in self.top_n_grams:
+            if len(words) < n:
+                continue
+            inv = classes(n)
+            counts = np.bincount(inv)
+            first = np.full(len(counts), len(inv), dtype=np.int64)
+            np.minimum.at(first, inv, np.arange(len(inv)))
+            best = counts.max()
+            pos = int(first[counts == best].min())
+            top_char_length = (int(csum[pos + n] - csum[pos]) + n - 1) * int(best)
+            if top_char_length / n_text > n_frac:
+                return False, f"top_{n}_gram"
+        for n, n_frac in self.dup_n_grams:
+            if len(words) < n:
+                continue
+            inv = classes(n).tolist()
+            lens = (csum[n:] - csum[:-n]).tolist()
+            seen: set[int] = set()
+            repeated, idx, last = 0, 0, len(inv)
+            while idx < last:
+                k = inv[idx]
+                if k in seen:
+                    repeated += lens[idx]
+                    idx += n
+                else:
+                    seen.add(k)
+                    idx += 1
+            if repeated / n_text > n_frac:
+                return False, f"duplicated_{n}_n_grams"
+        return True
+
+    def _ngram_checks_strings(self, words: list[str], text: str):
+        from datatrove.pipeline.filters.gopher_repetition_filter import (
+            find_all_duplicate,
+            find_top_duplicate,
+            get_n_grams,
+        )
+
+        for n, n_frac in self.top_n_grams:
+            n_grams = get_n_grams(words, n)
+            if n_grams and find_top_duplicate(n_grams) / len(text) > n_frac:
+                return False, f"top_{n}_gram"
+        for n, n_frac in self.dup_n_grams:
+            if find_all_duplicate(words, n) / len(text) > n_frac:
+                return False, f"duplicated_{n}_n_grams"
+        return True
+
+
+def word_tokenizer(kind: str):
+    """The `language` argument handed to datatrove filters: a tokenizer object or spaCy's "en"."""
+    return FastWordTokenizer() if kind == "fast" else "en"
+
+
+def _local_model(spec: FilterSpec, where: str) -> str:
+    path = spec.params.get("model")
+    if not path:
+        raise ConfigError(f"{where}: filter {spec.type!r} needs params.model, a local model file")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{where}: model {path!r} is not a local file; hub names and URLs would need a "
+                          "download and datapipe never fetches models at run time. Download the model and give "
+                          "its path.")
+    return path
+
+
+def check_specs(specs: list[FilterSpec], where: str) -> None:
+    """Unknown parameter names are errors naming the filter and the key."""
+    for i, spec in enumerate(specs):
+        cls = _CLASSES[spec.type]
+        allowed = set(inspect.signature(cls.__init__).parameters) - {"self"} - _RESERVED
+        if spec.type in ("language", "fasttext"):
+            allowed.add("model")
+            _local_model(spec, f"{where}.{i}")
+        for key in spec.params:
+            if key not in allowed:
+                raise ConfigError(f"{where}.{i}.params: unknown parameter {key!r} for filter {spec.type!r} "
+                                  f"(known: {', '.join(sorted(allowed))})")
+
+
+def build_filter(spec: FilterSpec, tokenizer, rejects_dir: str, index: int) -> BaseFilter:
+    """One configured datatrove filter; its rejects go to `rejects_dir/<index>_<type>/`."""
+    params = dict(spec.params)
+    writer = JsonlWriter(os.path.join(rejects_dir, f"{index}_{spec.type}"), output_filename="${rank}.jsonl.gz")
+    cls = _CLASSES[spec.type]
+    if spec.type == "language":
+        model = params.pop("model")
+        flt = cls(exclusion_writer=writer, **params)
+        flt.model.MODEL_URL = os.path.abspath(model)  # local file: datatrove copies it, no download
+        return flt
+    if spec.type == "fasttext":
+        model = params.pop("model")
+        return cls(model_url=os.path.abspath(model), exclusion_writer=writer, **params)
+    if "language" in inspect.signature(cls.__init__).parameters:
+        params["language"] = tokenizer
+    if cls is GopherRepetitionFilter and not isinstance(tokenizer, str):
+        cls = FastGopherRepetitionFilter
+    return cls(exclusion_writer=writer, **params)
+
+
+def filter_label(spec: FilterSpec, index: int) -> str:
+    return f"{index}_{spec.type}"

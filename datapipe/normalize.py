@@ -1,0 +1,55 @@
+"""Unicode normalisation of document text (NFC, control characters, whitespace) as a datatrove step."""
+from __future__ import annotations
+
+import re
+import unicodedata
+
+from datatrove.data import DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+
+from datapipe.config import NormalizeConfig
+
+# C0/C1 controls except \t and \n (\r is handled by the newline rule), plus zero-width/BOM characters.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\ufeff]")
+_ODD_SPACE = re.compile("[\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")
+_TRAILING = re.compile(r"[ \t]+\n")
+_BLANKS = re.compile(r"\n{3,}")
+
+
+def normalize_text(text: str, cfg: NormalizeConfig) -> str:
+    if cfg.form != "none":
+        text = unicodedata.normalize(cfg.form, text)
+    if cfg.whitespace:
+        text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\u2028", "\n").replace("\u2029", "\n\n")
+    if cfg.strip_control:
+        text = _CONTROL.sub("", text)
+    if cfg.whitespace:
+        text = _ODD_SPACE.sub(" ", text)
+        text = _TRAILING.sub("\n", text)
+        text = _BLANKS.sub("\n\n", text).strip()
+    return text
+
+
+class Normalize(PipelineStep):
+    """Normalises `doc.text` in place; a document left empty is dropped (counted, written to rejects)."""
+
+    name = "🔤 normalize"
+    type = "✂️ - FORMAT"
+
+    def __init__(self, cfg: NormalizeConfig, exclusion_writer=None):
+        super().__init__()
+        self.cfg = cfg
+        self.exclusion_writer = exclusion_writer
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        with self.exclusion_writer as rej:
+            for doc in data:
+                self.stat_update("total")
+                doc.text = normalize_text(doc.text, self.cfg)
+                if not doc.text:
+                    self.stat_update("dropped", "dropped_empty_after_normalize")
+                    doc.metadata.update(filter="normalize", filter_reason="empty after normalisation")
+                    rej.write(doc, rank)
+                    continue
+                self.stat_update("forwarded")
+                yield doc

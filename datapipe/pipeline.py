@@ -1,0 +1,240 @@
+"""Assemble `datapipe build`: datatrove stages in order, the chosen executor, and the final manifest.
+
+Stages (tasks): filter (one per input file) → exact (1) → signatures (one per file) → buckets (bands)
+→ clusters (1) → tokenizer (1) → tokenize (one per file) → shards (one per source) → manifest.
+Task ranks are file positions in the global, priority-ordered file list, so outputs are identical for
+any worker count. Each stage logs completions under `WORK/logs/<stage>`; a rerun skips finished tasks
+(datatrove's `skip_completed`) and redoes the rest, giving the same bytes as an uninterrupted build.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter
+from datatrove.pipeline.writers.jsonl import JsonlWriter
+
+from datapipe import executors
+from datapipe.config import BuildConfig
+from datapipe.dedup.exact import ExactHasher, IndexRemover
+from datapipe.dedup.minhash import FastMinhashSignature, MinhashDedupSignature, minhash_config
+from datapipe.filters import check_specs
+from datapipe.normalize import Normalize
+from datapipe.sources import SourceReader, check_fields, expand_sources
+from datapipe.steps import (
+    ClusterResolve,
+    CountsDump,
+    ExactResolve,
+    PerSourceFilters,
+    PrepareTokenizer,
+    WorkReader,
+    WriteShards,
+    load_remove_count,
+)
+from datapipe.tokenize import TokenizeStep, tokenizer_info
+from datapipe.workfiles import read_json
+from storage import config as cfgmod
+from storage.manifest import Manifest, SourceInfo, read_manifest, write_manifest
+
+
+@dataclass
+class Stage:
+    name: str
+    pipeline: list
+    tasks: int
+
+
+@dataclass
+class BuildResult:
+    manifest: Manifest
+    elapsed_s: dict[str, float] = field(default_factory=dict)
+
+
+def _fingerprint(cfg: BuildConfig) -> str:
+    return hashlib.sha256(cfgmod.dump(cfg).encode()).hexdigest()
+
+
+class Build:
+    def __init__(self, cfg: BuildConfig, workers: int | None = None, fresh: bool = False):
+        if not cfg.sources:
+            raise ValueError("no sources configured (the CLI fills in the embedded demo corpus)")
+        self.cfg = cfg
+        self.workers = workers or cfg.executor.workers
+        self.out = cfg.output.rstrip("/")
+        self.work = (cfg.work_dir or os.path.join(self.out, "_work")).rstrip("/")
+        self.rejects = os.path.join(self.out, "rejects")
+        self.files = expand_sources(cfg.sources)
+        self.srcmap = {s.name: s for s in cfg.sources}
+        for i, s in enumerate(cfg.sources):
+            check_specs(cfg.filters_for(s), f"sources.{i}.filters" if s.filters is not None else "default_filters")
+        check_fields(self.files, self.srcmap)
+        self._prepare_dirs(fresh)
+
+    def w(self, *parts: str) -> str:
+        return os.path.join(self.work, *parts)
+
+    def _prepare_dirs(self, fresh: bool) -> None:
+        fp = _fingerprint(self.cfg)
+        marker = self.w("config.sha256")
+        old = Path(marker).read_text().strip() if os.path.exists(marker) else None
+        if old is not None and (fresh or old != fp):
+            # another config (or --fresh): earlier intermediate results must not be reused
+            shutil.rmtree(self.work)
+            if os.path.isdir(self.rejects):
+                shutil.rmtree(self.rejects)
+        os.makedirs(self.work, exist_ok=True)
+        with open(marker, "w") as f:
+            f.write(fp)
+
+    def stages(self) -> list[Stage]:
+        cfg, F = self.cfg, len(self.files)
+        mh = cfg.dedup.minhash
+        rej = lambda name: JsonlWriter(os.path.join(self.rejects, name), output_filename="${rank}.jsonl.gz")
+        reader = SourceReader(self.files, self.srcmap, self.rejects, cfg.normalize.max_chars)
+        norm = Normalize(cfg.normalize, rej("normalize"))
+        stages = [Stage("filter", [
+            reader, norm,
+            PerSourceFilters(cfg, self.files, self.rejects, self.w("counts", "filters")),
+            CountsDump({"read": reader, "normalize": norm}, self.w("counts", "read")),
+            ExactHasher(self.w("hashes")),
+            JsonlWriter(self.w("filtered"), output_filename="${rank}.jsonl", compression=None),
+        ], F), Stage("exact", [ExactResolve(cfg.dedup.exact, self.w("hashes"), self.w("exact_remove"), F,
+                                            os.path.join(self.out, "dedup", "exact_clusters.jsonl"))], 1)]
+        sig_steps = [WorkReader(self.w("filtered")),
+                     IndexRemover(self.w("exact_remove"), "exact_dup", "exact duplicate", rej("exact_dup")),
+                     ExactHasher(self.w("deduped_ids")),
+                     JsonlWriter(self.w("deduped"), output_filename="${rank}.jsonl", compression=None)]
+        remove_dir = None
+        if mh.enabled:
+            mcfg = minhash_config(mh)
+            sig_cls = FastMinhashSignature if mh.fast_signatures else MinhashDedupSignature
+            sig_steps.append(sig_cls(self.w("minhash", "sigs"), config=mcfg))
+            remove_dir = self.w("minhash", "remove")
+        stages.append(Stage("signatures", sig_steps, F))
+        if mh.enabled:
+            stages += [
+                Stage("buckets", [MinhashDedupBuckets(self.w("minhash", "sigs"), self.w("minhash", "buckets"),
+                                                      config=mcfg)], mh.bands),
+                Stage("clusters", [
+                    MinhashDedupCluster(self.w("minhash", "buckets"), self.w("minhash", "clusters"), config=mcfg,
+                                        save_cluster_id=True),
+                    ClusterResolve(self.w("minhash", "clusters"), remove_dir, F, self.w("deduped_ids"),
+                                   os.path.join(self.out, "dedup", "near_dup_clusters.jsonl"))], 1)]
+        tok_path = os.path.join(self.out, "tokenizer.json")
+        stages.append(Stage("tokenizer", [PrepareTokenizer(cfg, tok_path, self.w("deduped"), remove_dir, F)], 1))
+        tok_steps = [WorkReader(self.w("deduped"))]
+        if mh.enabled:
+            tok_steps.append(MinhashDedupFilter(remove_dir, exclusion_writer=rej("near_dup")))
+        tok_steps.append(TokenizeStep(tok_path, cfg.tokenizer.eos_token, self.w("tokens"), cfg.tokenizer.batch_size))
+        stages.append(Stage("tokenize", tok_steps, F))
+        return stages
+
+    def final_stages(self) -> list[Stage]:
+        names = [s.name for s in self.cfg.sources]
+        ranks_of = {n: [r for r, f in enumerate(self.files) if f.source == n] for n in names}
+        return [Stage("shards", [WriteShards(self.out, names, ranks_of, self.w("tokens"),
+                                             os.path.join(self.out, "tokenizer.json"), self.cfg.tokenizer.eos_token,
+                                             self.cfg.shards.block_tokens, self.cfg.shards.shard_blocks,
+                                             self.w("sources"))], len(names)),
+                Stage("manifest", [ManifestStep(self)], 1)]
+
+    def submit_slurm(self, dry_run: bool = False) -> list[str]:
+        return executors.submit_slurm(self.cfg.executor, self.stages() + self.final_stages(), self.work, dry_run)
+
+    def run(self, progress: bool = True) -> BuildResult:
+        from tqdm import tqdm
+
+        elapsed: dict[str, float] = {}
+        stages = self.stages() + self.final_stages()
+        bar = tqdm(total=len(stages), desc="datapipe build", unit="stage", disable=not progress)
+        for st in stages:
+            bar.set_postfix_str(f"{st.name} ({st.tasks} tasks)")
+            t0 = time.perf_counter()
+            executors.run_stage(self.cfg.executor, st.name, st.pipeline, st.tasks, self.workers,
+                                self.w("logs", st.name), progress=progress)
+            elapsed[st.name] = time.perf_counter() - t0
+            bar.update(1)
+        bar.close()
+        manifest = read_manifest(self.out)
+        from storage.fs import atomic_write_bytes
+
+        # elapsed times vary run to run, so they live beside the manifest, not in it
+        atomic_write_bytes(os.path.join(self.out, "build_report.json"),
+                           json.dumps({"elapsed_s": elapsed}, indent=1).encode())
+        return BuildResult(manifest, elapsed)
+
+    def source_stats(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+
+        def add(st: dict[str, int], k: str, v: int) -> None:
+            st[k] = st.get(k, 0) + int(v)
+
+        for r, f in enumerate(self.files):
+            st = out.setdefault(f.source, {})
+            read = read_json(self.w("counts", "read", f"{r:05d}.json"))
+            add(st, "read", read["read"].get("read", 0))
+            add(st, "dropped_read", read["read"].get("dropped_read", 0))
+            add(st, "dropped_normalize", read["normalize"].get("dropped", 0))
+            for k, v in read_json(self.w("counts", "filters", f"{r:05d}.json")).items():
+                add(st, f"dropped_{k}", v)
+            add(st, "exact_duplicates", load_remove_count(self.w("exact_remove", f"{r:05d}.remove.npy"), "npy"))
+            add(st, "near_duplicates", load_remove_count(self.w("minhash", "remove", f"{r:06d}.remove"), "raw"))
+        return out
+
+    def write_manifest(self) -> Manifest:
+        import tokenizers
+
+        tinfo = tokenizer_info(os.path.join(self.out, "tokenizer.json"), self.cfg.tokenizer.eos_token)
+        stats = self.source_stats()
+        sources: dict[str, SourceInfo] = {}
+        for s in self.cfg.sources:
+            info = cfgmod.from_dict(SourceInfo, read_json(self.w("sources", f"{s.name}.json")))
+            info.stats = {**stats.get(s.name, {}), "documents": info.documents, "tokens": info.tokens}
+            sources[s.name] = info
+        mix = self.cfg.mix.resolve({n: i.tokens for n, i in sources.items()})
+        totals: dict[str, int] = {}
+        for st in stats.values():
+            for k, v in st.items():
+                totals[k] = totals.get(k, 0) + v
+        totals["documents"] = sum(i.documents for i in sources.values())
+        totals["tokens"] = sum(i.tokens for i in sources.values())
+        m = Manifest(tokenizer=tinfo, sources=sources, mix=mix, build_stats=totals,
+                     build_config=cfgmod.to_plain(self.cfg),
+                     software={"smoltrain": _pkg_version("smoltrain"), "datatrove": _pkg_version("datatrove"),
+                               "tokenizers": tokenizers.__version__})
+        cfgmod.save(self.cfg, os.path.join(self.out, "build_config.yaml"))
+        write_manifest(self.out, m)
+        return m
+
+
+class ManifestStep(PipelineStep):
+    """Last stage: gathers per-task counts and per-source shard lists into manifest.json."""
+
+    name = "🧾 manifest"
+
+    def __init__(self, build: Build):
+        super().__init__()
+        self.build = build
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        self.build.write_manifest()
+
+
+def _pkg_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def rewrite_mix(dataset: str, mix_cfg) -> Manifest:
+    """`datapipe mix`: replace the mix schedule of an existing dataset (validated), nothing else."""
+    m = read_manifest(dataset)
+    m.mix = mix_cfg.resolve({n: s.tokens for n, s in m.sources.items()})
+    write_manifest(dataset, m)
+    return m

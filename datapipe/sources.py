@@ -1,0 +1,201 @@
+"""Read raw documents from fsspec paths/globs (JSONL .gz/.zst, Parquet, plain text) as a datatrove step.
+
+Every input file becomes one task (its rank is the file's position in the build's global file list, so
+document order never depends on the number of workers). Bad records never stop a build: a malformed
+JSONL line, bytes that are not UTF-8, a missing or non-string text field, an empty or oversized
+document are written to `rejects/read/` with file, line and reason, and counted.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from dataclasses import dataclass
+
+import fsspec
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.writers.jsonl import JsonlWriter
+
+from datapipe.config import SourceConfig
+
+
+@dataclass(frozen=True)
+class InputFile:
+    source: str
+    url: str
+    fmt: str  # jsonl | parquet | text
+
+
+def _detect(url: str, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    name = url.lower()
+    for ext in (".gz", ".zst", ".zstd"):
+        name = name.removesuffix(ext)
+    if name.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def expand_sources(sources: list[SourceConfig]) -> list[InputFile]:
+    """The build's global, ordered file list (source priority order, then sorted paths).
+
+    Fails fast, naming the path, when a path or glob matches nothing."""
+    files: list[InputFile] = []
+    for src in sources:
+        seen: set[str] = set()
+        for pattern in src.paths:
+            fsys, _, paths = fsspec.get_fs_token_paths(pattern)
+            paths = sorted(p for p in paths if not fsys.isdir(p))
+            if not paths:
+                raise FileNotFoundError(f"source {src.name!r}: path {pattern!r} matches no readable file")
+            proto = fsys.protocol if isinstance(fsys.protocol, str) else fsys.protocol[0]
+            for p in paths:
+                url = p if proto in ("file", "local") else f"{proto}://{p}"
+                if url not in seen:
+                    seen.add(url)
+                    files.append(InputFile(src.name, url, _detect(url, src.format)))
+    return files
+
+
+def _open_binary(url: str) -> io.BufferedIOBase:
+    f = fsspec.open(url, "rb").open()
+    low = url.lower()
+    if low.endswith(".gz"):
+        return gzip.GzipFile(fileobj=f)
+    if low.endswith((".zst", ".zstd")):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True))
+    return f
+
+
+class SourceReader(PipelineStep):
+    """Task `rank` reads `files[rank]`; yields normalisable `Document`s with source/file/line metadata."""
+
+    name = "📖 smoltrain source reader"
+    type = "📖 - READER"
+
+    def __init__(self, files: list[InputFile], sources: dict[str, SourceConfig], rejects: str,
+                 max_chars: int):
+        super().__init__()
+        self.files, self.sources, self.max_chars = files, sources, max_chars
+        self.rejects = rejects
+
+    def _reject_writer(self) -> JsonlWriter:
+        return JsonlWriter(os.path.join(self.rejects, "read"), output_filename="${rank}.jsonl.gz")
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        f = self.files[rank]
+        src = self.sources[f.source]
+        with self._reject_writer() as rej:
+            for lineno, text, doc_id, err in self._records(f, src):
+                self.stat_update("read")
+                meta = {"source": f.source, "file": f.url, "line": lineno}
+                if err is None:
+                    if not text.strip():
+                        err = "empty document"
+                    elif len(text) > self.max_chars:
+                        err = f"document has {len(text):,} characters, more than max_chars={self.max_chars:,}"
+                if err is not None:
+                    self.stat_update("dropped_read")
+                    keep = text if isinstance(text, str) and len(text) <= 10_000 else (text or "")[:10_000]
+                    rej.write(Document(text=keep, id=doc_id or f"{f.url}:{lineno}",
+                                       metadata={**meta, "filter": "read", "filter_reason": err}), rank)
+                    continue
+                yield Document(text=text, id=doc_id, metadata=meta)
+
+    def _records(self, f: InputFile, src: SourceConfig):
+        """(line or row number, text, id, error or None) for every record of one file."""
+        base = os.path.basename(f.url)
+        if f.fmt == "parquet":
+            yield from self._parquet(f, src, base)
+            return
+        with _open_binary(f.url) as fh:
+            if f.fmt == "text":
+                raw = fh.read()
+                try:
+                    yield 1, raw.decode("utf-8"), f"{f.source}/{base}", None
+                except UnicodeDecodeError as e:
+                    yield 1, raw.decode("utf-8", "replace"), f"{f.source}/{base}", f"not UTF-8 at byte {e.start}"
+                return
+            for lineno, line in enumerate(fh, start=1):
+                fallback_id = f"{f.source}/{base}:{lineno}"
+                try:
+                    s = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield lineno, line.decode("utf-8", "replace"), fallback_id, f"not UTF-8 at byte {e.start}"
+                    continue
+                if not s.strip():
+                    continue
+                try:
+                    rec = json.loads(s)
+                except json.JSONDecodeError as e:
+                    yield lineno, s, fallback_id, f"malformed JSON ({e.msg} at column {e.colno})"
+                    continue
+                yield (lineno, *self._from_record(rec, src, fallback_id))
+
+    def _from_record(self, rec, src: SourceConfig, fallback_id: str) -> tuple[str, str, str | None]:
+        if not isinstance(rec, dict):
+            return "", fallback_id, f"record is a JSON {type(rec).__name__}, not an object"
+        doc_id = fallback_id
+        if src.id_field and rec.get(src.id_field) is not None:
+            doc_id = f"{src.name}/{rec[src.id_field]}"
+        if src.text_field not in rec:
+            return "", doc_id, f"missing text field {src.text_field!r} (fields: {', '.join(sorted(rec))[:200]})"
+        text = rec[src.text_field]
+        if not isinstance(text, str):
+            return "", doc_id, f"text field {src.text_field!r} is a {type(text).__name__}, not a string"
+        return text, doc_id, None
+
+    def _parquet(self, f: InputFile, src: SourceConfig, base: str):
+        import pyarrow.parquet as pq
+
+        with fsspec.open(f.url, "rb") as fh:
+            pf = pq.ParquetFile(fh)
+            names = pf.schema_arrow.names
+            if src.text_field not in names:
+                raise KeyError(f"{f.url}: no column {src.text_field!r} (columns: {', '.join(names)})")
+            cols = [src.text_field] + ([src.id_field] if src.id_field in names else [])
+            row = 0
+            for batch in pf.iter_batches(columns=cols, batch_size=4096):
+                d = batch.to_pydict()
+                for i, text in enumerate(d[src.text_field]):
+                    row += 1
+                    rec = {src.text_field: text}
+                    if src.id_field in d:
+                        rec[src.id_field] = d[src.id_field][i]
+                    yield (row, *self._from_record(rec, src, f"{src.name}/{base}:{row}"))
+
+
+def check_fields(files: list[InputFile], sources: dict[str, SourceConfig], probe: int = 50) -> None:
+    """Fail fast when a source's text field appears in none of the first records of its first file
+    (a wrong field name would otherwise reject every document one by one)."""
+    checked: set[str] = set()
+    for f in files:
+        if f.source in checked or f.fmt != "jsonl":
+            continue
+        checked.add(f.source)
+        src = sources[f.source]
+        seen_fields: set[str] = set()
+        n = 0
+        with _open_binary(f.url) as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict):
+                    n += 1
+                    seen_fields.update(rec)
+                    if src.text_field in rec:
+                        break
+                if n >= probe:
+                    break
+        if n and src.text_field not in seen_fields:
+            raise KeyError(f"source {f.source!r}: text field {src.text_field!r} not found in the first {n} records "
+                           f"of {f.url} (fields there: {', '.join(sorted(seen_fields))})")

@@ -1,0 +1,155 @@
+"""Tokenizers: train a byte-level BPE locally, load one, encode documents (EOS appended) per task.
+
+`TokenizeStep` writes each task's tokens to the work dir (`{rank}.tokens.npy` + `{rank}.docs.json`);
+`write_source` later packs them, in task order, into a source's shards, so shard bytes never depend on
+how many workers ran.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+from datatrove.data import DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+
+from datapipe.workfiles import atomic_json, atomic_npy, read_json
+from storage.dataset import SourceWriter
+from storage.manifest import SourceInfo, TokenizerInfo
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str, out_path: str) -> str:
+    """Train a byte-level BPE (GPT-2 style pre-tokenizer) on `texts`; save tokenizer.json; return its path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    from storage.fs import atomic_write_bytes
+
+    atomic_write_bytes(out_path, tok.to_str().encode())
+    return out_path
+
+
+def load_tokenizer(path: str):
+    """A `tokenizers.Tokenizer` from a local tokenizer.json, or a hub name (needs network)."""
+    from tokenizers import Tokenizer
+
+    if os.path.isfile(path):
+        return Tokenizer.from_file(path)
+    if path.endswith(".json") or path.startswith((".", "/", "~")) or path.count("/") > 1:
+        raise FileNotFoundError(f"tokenizer file {path!r} does not exist")
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or not _hub_reachable():
+        raise FileNotFoundError(f"tokenizer {path!r} is not a local file and the Hugging Face hub is not reachable "
+                                "(offline); give the path of a tokenizer.json, or train one with "
+                                "`datapipe tokenizer train`")
+    try:
+        return Tokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - offline: a clear error instead of a hang or a stack of HTTP errors
+        raise FileNotFoundError(f"tokenizer {path!r} is not a local file and could not be fetched from the hub "
+                                f"({type(e).__name__}: {e}); give the path of a tokenizer.json") from None
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """A quick TCP probe, so an offline machine gets a clear error at once instead of minutes of retries."""
+    import socket
+
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def tokenizer_info(path: str, eos_token: str) -> TokenizerInfo:
+    tok = load_tokenizer(path)
+    eos = tok.token_to_id(eos_token)
+    if eos is None:
+        raise ValueError(f"tokenizer {path}: has no EOS token {eos_token!r}")
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    return TokenizerInfo(file=os.path.basename(path), sha256=sha, vocab_size=vocab, eos_id=eos,
+                         dtype=_dtype_name(vocab))
+
+
+def _dtype_name(vocab: int) -> str:
+    return "uint16" if vocab <= 65536 else "uint32"
+
+
+class TokenizeStep(PipelineStep):
+    """Encodes documents in batches (HF tokenizers, Rust threads), appends EOS, writes the task's tokens."""
+
+    name = "🔢 tokenize"
+    type = "🔢 - TOKENIZER"
+
+    def __init__(self, tokenizer_path: str, eos_token: str, out_dir: str, batch_size: int = 256):
+        super().__init__()
+        self.tokenizer_path, self.eos_token = tokenizer_path, eos_token
+        self.out_dir, self.batch_size = out_dir, batch_size
+        self._tok = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_tok": None}
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        if self._tok is None:  # loaded once per process: its BPE word cache stays warm across tasks
+            self._tok = load_tokenizer(self.tokenizer_path)
+        tok = self._tok
+        eos = tok.token_to_id(self.eos_token)
+        dtype = np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 65536 else np.uint32
+        chunks, ids, lengths = [], [], []
+        batch = []
+
+        def flush():
+            flat: list[int] = []
+            for doc, enc in zip(batch, tok.encode_batch_fast([d.text for d in batch], add_special_tokens=False)):
+                toks = enc.ids
+                flat += toks
+                flat.append(eos)
+                ids.append(doc.id)
+                lengths.append(len(toks) + 1)
+            chunks.append(np.array(flat, dtype=dtype))  # one conversion per batch, not per document
+            batch.clear()
+
+        for doc in data:
+            self.stat_update("documents")
+            batch.append(doc)
+            if len(batch) >= self.batch_size:
+                flush()
+        if batch:
+            flush()
+        tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
+        self.stat_update("tokens", value=len(tokens))
+        atomic_json(os.path.join(self.out_dir, f"{rank:05d}.docs.json"), {"ids": ids, "lengths": lengths})
+        atomic_npy(os.path.join(self.out_dir, f"{rank:05d}.tokens.npy"), tokens)
+        return
+        yield
+
+
+def iter_task_docs(token_dir: str, rank: int) -> Iterator[tuple[str, np.ndarray]]:
+    meta = read_json(os.path.join(token_dir, f"{rank:05d}.docs.json"))
+    tokens = np.load(os.path.join(token_dir, f"{rank:05d}.tokens.npy"), allow_pickle=False)
+    off = 0
+    for doc_id, n in zip(meta["ids"], meta["lengths"]):
+        yield doc_id, tokens[off:off + n]
+        off += n
+
+
+def write_source(dataset: str, source: str, ranks: list[int], token_dir: str, dtype: str, block_tokens: int,
+                 shard_blocks: int) -> SourceInfo:
+    """Pack one source's tokenized tasks, in rank order, into shards of format v1."""
+    w = SourceWriter(dataset, source, dtype, block_tokens=block_tokens, shard_blocks=shard_blocks)
+    try:
+        for r in ranks:
+            for doc_id, toks in iter_task_docs(token_dir, r):
+                w.add_document(doc_id, toks)
+    except BaseException:
+        w.abort()
+        raise
+    return w.close()

@@ -1,0 +1,31 @@
+"""Small atomic readers/writers for the build's intermediate files under the work directory."""
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+
+from storage.fs import atomic_write_bytes
+
+
+def atomic_json(path: str, obj) -> None:
+    atomic_write_bytes(path, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def atomic_npy(path: str, arr: np.ndarray) -> None:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def load_npy(path: str, dtype) -> np.ndarray:
+    if not os.path.exists(path):
+        return np.zeros(0, dtype=dtype)
+    return np.load(path, allow_pickle=False).astype(dtype, copy=False)
