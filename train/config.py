@@ -1,6 +1,6 @@
 """`TrainConfig`: the typed `train launch` config, validated before any process starts.
 
-Sections: model (train.models.ModelConfig), parallel, data (storage.loader LoaderConfig), optim, spike,
+Sections: model (train.models.ModelConfig), parallel, data (storage.loader's LoaderConfig keys), optim, spike,
 monitor, alerts, launch (torchrun / Slurm), checkpoint (train.checkpoint CheckpointConfig), debug.
 Errors name the key (`parallel.tp`, `data.seq_len`, ...). Checks that need the world size
 (world = TP × PP × DP, batch divisibility) are in `check_world`, run by `train launch` before torchrun.
@@ -14,6 +14,22 @@ from storage.config import ConfigError
 from storage.loader.config import LoaderConfig
 from train.checkpoint.config import CheckpointConfig
 from train.models import ModelConfig
+
+
+@dataclass
+class DataConfig(LoaderConfig):
+    """storage's LoaderConfig (all its keys); `dataset` may stay empty here when debug.synthetic_data is
+    set: `TrainConfig.check_data` requires it otherwise, before any process starts."""
+    seq_len: int = 256
+
+    def validate(self) -> None:
+        import dataclasses
+
+        probe = self if self.dataset else dataclasses.replace(self, dataset="<unset>")
+        try:
+            LoaderConfig.validate(probe)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("key '", "key 'data.", 1)) from None
 
 
 @dataclass
@@ -43,15 +59,15 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 3e-5
+    lr: float = 3e-4                 # peak learning rate (after warmup)
+    min_lr: float = 3e-5             # final learning rate of the cosine / WSD decay
     weight_decay: float = 0.1        # not applied to norms (megatron's default param groups)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9               # AdamW beta1
+    beta2: float = 0.95              # AdamW beta2
+    eps: float = 1e-8                # AdamW epsilon
     clip_grad: float = 1.0           # 0: no clipping
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = 100
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # LR after warmup
+    warmup_steps: int = 100          # linear warmup from lr/warmup_steps to lr
     decay_fraction: float = 0.1      # wsd: share of train steps spent in the final (linear) decay
 
     def validate(self) -> None:
@@ -68,16 +84,16 @@ class OptimConfig:
 @dataclass
 class SpikeConfig:
     """A loss is a spike when (loss - mean) / std over the last `window` accepted losses > `zscore`."""
-    window: int = 100
-    zscore: float = 6.0
+    window: int = 100                # accepted losses the z-score is computed over
+    zscore: float = 6.0              # a loss this many standard deviations above the mean is a spike
     min_history: int = 20            # no decisions before this many losses are known
-    policy: Literal["log", "skip", "abort"] = "log"
+    policy: Literal["log", "skip", "abort"] = "log"  # on a spike: log it, skip the update, or stop
 
 
 @dataclass
 class MonitorConfig:
     log_every: int = 10              # steps between console/JSONL/TensorBoard records
-    tensorboard: bool = True
+    tensorboard: bool = True         # also write TensorBoard events to RUN_DIR/tb
     peak_flops: float | None = None  # per device; null: H100/H200 defaults on CUDA, MFU off on CPU
 
 
@@ -90,16 +106,16 @@ class AlertConfig:
 
 @dataclass
 class SlurmConfig:
-    job_name: str = "smoltrain"
-    nodes: int = 1
-    gpus_per_node: int = 8
-    cpus_per_task: int = 32
-    partition: str = ""
-    account: str = ""
-    time: str = "24:00:00"
-    requeue: bool = True
+    job_name: str = "smoltrain"      # sbatch --job-name
+    nodes: int = 1                   # sbatch --nodes (world = nodes × gpus_per_node)
+    gpus_per_node: int = 8           # processes (GPUs) per node
+    cpus_per_task: int = 32          # sbatch --cpus-per-task (one task per node)
+    partition: str = ""              # sbatch --partition (empty: cluster default)
+    account: str = ""                # sbatch --account (empty: none)
+    time: str = "24:00:00"           # sbatch --time
+    requeue: bool = True             # sbatch --requeue: a requeued job resumes from the newest checkpoint
     extra_sbatch: list[str] = field(default_factory=list)      # raw "#SBATCH" arguments
-    env: dict[str, str] = field(default_factory=lambda: {
+    env: dict[str, str] = field(default_factory=lambda: {  # exported before srun (NCCL settings)
         "NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "^lo,docker", "NCCL_DEBUG": "WARN",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     setup: list[str] = field(default_factory=list)              # shell lines before srun (modules, venv)
@@ -108,12 +124,12 @@ class SlurmConfig:
 @dataclass
 class LaunchConfig:
     nproc: int | None = None         # processes per node; null: GPUs on the node, or 1 on CPU
-    nnodes: int = 1
+    nnodes: int = 1                  # nodes; > 1 uses c10d rendezvous at rdzv_endpoint
     node_rank: int | None = None     # null: let c10d assign
-    rdzv_backend: str = "c10d"
-    rdzv_endpoint: str = "127.0.0.1:29500"
-    rdzv_id: str = "smoltrain"
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    rdzv_backend: str = "c10d"       # torchrun --rdzv-backend (multi-node)
+    rdzv_endpoint: str = "127.0.0.1:29500"  # HOST:PORT of the rendezvous (first node)
+    rdzv_id: str = "smoltrain"       # job id shared by all nodes of one run
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)  # `train launch --slurm` script settings
 
 
 @dataclass
@@ -125,13 +141,13 @@ class DebugConfig:
 
 @dataclass
 class TrainConfig:
-    run_dir: str = "runs/default"
-    steps: int = 100
+    run_dir: str = "runs/default"    # resolved config, metrics.jsonl, tb/, checkpoints/ go here
+    steps: int = 100                 # training steps (optimizer steps, skipped ones included)
     seed: int = 1234                 # model seed; the data seed is data.seed (shared by DP ranks)
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 weights/activations, fp32 master + grads
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: LoaderConfig = field(default_factory=lambda: LoaderConfig(seq_len=256))
+    data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -187,7 +203,7 @@ class TrainConfig:
             raise ConfigError(f"key 'model.vocab_size': {vocab} is smaller than the dataset tokenizer's "
                               f"{man.tokenizer.vocab_size}")
 
-    def resolved_for_data(self) -> "TrainConfig":
+    def resolved_for_data(self) -> TrainConfig:
         """A copy whose model vocab is the dataset tokenizer's when model.vocab_size is null."""
         import dataclasses
 

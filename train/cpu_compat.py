@@ -120,10 +120,10 @@ class CPURNGStatesTracker:
     def add(self, name: str, seed: int) -> None:
         self._is_initialized = True
         if seed in self.seeds_:
-            raise Exception(f"seed {seed} already exists")
+            raise RuntimeError(f"seed {seed} already exists")
         self.seeds_.add(seed)
         if name in self.states_:
-            raise Exception(f"rng state {name} already exists")
+            raise RuntimeError(f"rng state {name} already exists")
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed)
         self.states_[name] = gen.get_state()
@@ -131,7 +131,7 @@ class CPURNGStatesTracker:
     @contextlib.contextmanager
     def fork(self, name: str = "model-parallel-rng"):
         if name not in self.states_:
-            raise Exception(f"rng state {name} is not added")
+            raise RuntimeError(f"rng state {name} is not added")
         orig_state = torch.get_rng_state()
         orig_name = self._current_state_name
         if orig_name != "default-rng":

@@ -42,19 +42,19 @@ SHAPE_KEYS = tuple(PRESETS["tiny"])
 @dataclass
 class ModelConfig:
     """`preset` fills every shape key left null; any key set here overrides the preset."""
-    preset: str = "tiny"
-    hidden_size: int | None = None
+    preset: str = "tiny"             # tiny, 135m, 360m, 1.7b (SmolLM2), 3b (SmolLM3)
+    hidden_size: int | None = None   # null: the preset's (same for every shape key below)
     num_layers: int | None = None
     num_heads: int | None = None
-    num_kv_heads: int | None = None
+    num_kv_heads: int | None = None  # GQA query groups
     ffn_hidden_size: int | None = None
     vocab_size: int | None = None  # null: preset's, or the dataset tokenizer's when the trainer knows it
     max_position_embeddings: int | None = None
-    rope_theta: float | None = None
-    norm_eps: float | None = None
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    dropout: float = 0.0
+    rope_theta: float | None = None  # RoPE base θ
+    norm_eps: float | None = None    # RMSNorm epsilon
+    tie_embeddings: bool = True      # output layer shares the embedding matrix
+    init_std: float = 0.02           # normal init std; output projections use std / sqrt(2 · layers)
+    dropout: float = 0.0             # hidden and attention dropout
     # Pad the embedding table to a multiple of this (and of TP) for fast GEMMs, as Megatron-LM does.
     make_vocab_size_divisible_by: int = 128
     # layout_invariant: every parameter is drawn from a generator seeded by (seed, its global name) and
@@ -78,7 +78,7 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"key 'model.dropout': must be in [0, 1), got {self.dropout}")
 
-    def resolved(self) -> "ModelConfig":
+    def resolved(self) -> ModelConfig:
         """A copy with every preset key filled in."""
         base = PRESETS.get(self.preset, PRESETS["tiny"])
         return dataclasses.replace(self, **{k: v for k, v in base.items() if getattr(self, k) is None})

@@ -38,7 +38,7 @@ def lr_at(step: int, o: OptimConfig, total_steps: int) -> float:
         span = max(1, total_steps - o.warmup_steps)
         t = min(1.0, (step - o.warmup_steps) / span)
         return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * t))
-    decay = int(round(o.decay_fraction * total_steps))
+    decay = round(o.decay_fraction * total_steps)
     start = total_steps - decay
     if decay <= 0 or step < start:
         return o.lr

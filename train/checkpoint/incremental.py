@@ -118,35 +118,37 @@ class DeltaSet:
     def apply(self, key: str, global_offset: tuple, target: torch.Tensor) -> int:
         """Turn `target` (base values of region global_offset + target.shape) into the checkpoint's values,
         in place. Returns the number of pieces that touched it."""
-        tcpu = target.detach().cpu()
+        tcpu = target.detach().cpu().contiguous()  # a copy only for device or strided targets
         tb = bits(tcpu)
         touched = 0
+        g = len(global_offset)
+        # Local pieces may omit leading (stacked-layer) axes of the global tensor: give them extent 1.
+        ext_t = [1] * (g - tb.ndim) + list(tb.shape)
+        tview = tb.reshape(ext_t)
         for binf, e in self.by_key.get(key, []):
             if e["codec"] == "same":
                 continue
             eo, es = e["global_offset"], e["shape"]
-            # Both offsets may carry leading singleton (stacked-layer) dims; align on the trailing ones.
-            region_t = list(zip(global_offset[-len(tb.shape):] if tb.shape else (), tb.shape))
-            region_e = list(zip(eo[-len(es):] if es else [], es))
-            sl_t, sl_e, empty = [], [], False
-            for (to, ts), (o, s) in zip(region_t, region_e):
+            ext_e = [1] * (len(eo) - len(es)) + list(es)
+            if len(eo) != g:
+                raise ValueError(f"{binf}: {key} has {len(eo)} global dims, the target has {g}")
+            sl_t, sl_e = [], []
+            for to, ts, o, s in zip(global_offset, ext_t, eo, ext_e):
                 lo, hi = max(to, o), min(to + ts, o + s)
                 if lo >= hi:
-                    empty = True
                     break
                 sl_t.append(slice(lo - to, hi - to))
                 sl_e.append(slice(lo - o, hi - o))
-            if empty or tuple(eo[:len(eo) - len(es)]) != tuple(global_offset[:len(global_offset) - len(tb.shape)]):
-                continue
-            with open(binf, "rb") as f:
-                f.seek(e["offset"])
-                blob = f.read(e["nbytes"])
-            d = decode(e["codec"], blob, tb.dtype, es)
-            if e["codec"] == "xor-zstd":
-                tb[tuple(sl_t)] ^= d[tuple(sl_e)]
             else:
-                tb[tuple(sl_t)] = d[tuple(sl_e)]
-            touched += 1
+                with open(binf, "rb") as f:
+                    f.seek(e["offset"])
+                    blob = f.read(e["nbytes"])
+                d = decode(e["codec"], blob, tb.dtype, es).reshape(ext_e)
+                if e["codec"] == "xor-zstd":
+                    tview[tuple(sl_t)] ^= d[tuple(sl_e)]
+                else:
+                    tview[tuple(sl_t)] = d[tuple(sl_e)]
+                touched += 1
         if tcpu is not target:
             target.copy_(tcpu)
         return touched

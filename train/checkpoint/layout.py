@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import fsspec
@@ -102,10 +103,11 @@ def commit(tmp: str, root: str, step: int, kind: str, base: str | None, info: di
     `info` adds fields to the manifest (layout, bytes written, model metadata, ...). Returns the manifest.
     """
     local = fsspec.filesystem("file")
-    files = {}
-    for rel in _local_files(tmp):
-        size, digest = sha256_file(local, os.path.join(tmp, rel), fsync=True)
-        files[rel] = {"size": size, "sha256": digest}
+    rels = _local_files(tmp)
+    # hashlib and os.read release the GIL: files are hashed in parallel (one per rank and bucket).
+    with ThreadPoolExecutor(max(1, min(8, len(rels), os.cpu_count() or 1))) as pool:
+        sums = list(pool.map(lambda rel: sha256_file(local, os.path.join(tmp, rel), fsync=True), rels))
+    files = {rel: {"size": size, "sha256": digest} for rel, (size, digest) in zip(rels, sums)}
     for dirpath, _, _ in os.walk(tmp):
         _fsync_dir(dirpath)
     manifest = {"format": FORMAT, "name": ckpt_name(step), "step": step, "kind": kind, "base": base,

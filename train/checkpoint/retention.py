@@ -1,7 +1,8 @@
 """Which checkpoints to keep: the newest k, every K-th full one forever, and every base a kept one needs."""
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 
 class _Ckpt(Protocol):

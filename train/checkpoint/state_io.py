@@ -19,11 +19,11 @@ import torch
 
 from train.state import TrainState
 
-FIXES_ENV = "SMOLTRAIN_CKPT_DISABLE_DISTOPT_FIXES"  # tests set it to show the fixes matter
+FIXES_ENV = "SMOLTRAIN_CKPT_DISABLE_DISTOPT_FIXES"  # e.g. "3": tests show that fix 3 matters
 
 
-def _fixes_enabled() -> bool:
-    return os.environ.get(FIXES_ENV, "") != "1"
+def _fix_enabled(n: int) -> bool:
+    return str(n) not in os.environ.get(FIXES_ENV, "").split(",")
 
 
 def inner_optimizers(optimizer) -> list:
@@ -37,7 +37,7 @@ def _is_distributed(opt) -> bool:
 
 def init_empty_optimizer_state(optimizer) -> None:
     """Fix 1: zero AdamW states on a fresh DistributedOptimizer so megatron's state_dict() works."""
-    if not _fixes_enabled():
+    if not _fix_enabled(1):
         return
     for opt in inner_optimizers(optimizer):
         if not _is_distributed(opt) or len(opt.optimizer.state) > 0:
@@ -51,7 +51,7 @@ def init_empty_optimizer_state(optimizer) -> None:
 def load_optimizer(optimizer, state_dict) -> None:
     """optimizer.load_state_dict with fixes 2 and 3 applied to DistributedOptimizers."""
     patched = []
-    if _fixes_enabled():
+    if _fix_enabled(2):
         for opt in inner_optimizers(optimizer):
             if not _is_distributed(opt):
                 continue
@@ -70,7 +70,7 @@ def load_optimizer(optimizer, state_dict) -> None:
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states  # back to the class method
-    if _fixes_enabled():
+    if _fix_enabled(3):
         for opt in inner_optimizers(optimizer):
             if _is_distributed(opt):
                 for s in opt.optimizer.state.values():
@@ -84,8 +84,10 @@ def model_key(i: int, n: int) -> str:
 
 def sharded_state_dict(state: TrainState, sharding_type: str, is_loading: bool) -> dict:
     """{'model' | 'model0'.., 'optimizer'} as megatron's training loop builds it."""
+    from megatron.core.utils import unwrap_model
+
     n = len(state.model)
-    sd = {model_key(i, n): m.sharded_state_dict() for i, m in enumerate(state.model)}
+    sd = {model_key(i, n): m.sharded_state_dict() for i, m in enumerate(unwrap_model(state.model))}
     if state.optimizer is not None:
         if is_loading:
             init_empty_optimizer_state(state.optimizer)
@@ -95,8 +97,10 @@ def sharded_state_dict(state: TrainState, sharding_type: str, is_loading: bool) 
 
 
 def apply_loaded(state: TrainState, loaded: dict) -> None:
+    from megatron.core.utils import unwrap_model
+
     n = len(state.model)
-    for i, m in enumerate(state.model):
+    for i, m in enumerate(unwrap_model(state.model)):
         m.load_state_dict(loaded[model_key(i, n)], strict=True)
     if state.optimizer is not None:
         load_optimizer(state.optimizer, loaded["optimizer"])
@@ -119,11 +123,11 @@ def load_train_state(state: TrainState, d: dict) -> None:
 def rng_state() -> dict:
     out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, "tracker": None}
-    try:
-        from megatron.core import tensor_parallel
-        out["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    except Exception:  # tracker not initialised (no model-parallel seed set): nothing to keep
-        pass
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if getattr(tracker, "is_initialized", lambda: True)():
+        out["tracker"] = tracker.get_states()
     return out
 
 
@@ -143,11 +147,9 @@ def layout() -> dict:
     import torch.distributed as dist
     world = dist.get_world_size() if dist.is_initialized() else 1
     out = {"world": world, "tp": 1, "pp": 1, "dp": world}
-    try:
-        from megatron.core import parallel_state as ps
-        if ps.model_parallel_is_initialized():
-            out.update(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-                       dp=ps.get_data_parallel_world_size())
-    except Exception:
-        pass
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        out.update(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                   dp=ps.get_data_parallel_world_size())
     return out

@@ -8,7 +8,8 @@ incremental saves, then applies the checkpoint's deltas by global region.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,6 +107,12 @@ class DeltaAwareLoadStrategy(LoadShardedStrategy):
         self.base_dir, self.delta_dir = base_dir, delta_dir
         self.base_snapshot: dict[tuple, np.ndarray] = {}
         self.pieces_applied = 0
+
+    @property
+    def can_handle_sharded_objects(self):
+        # torch_dist stores sharded objects with the tensors; incremental saves store them through
+        # megatron's common strategy in their own folder.
+        return self.delta_dir is None
 
     def check_backend_compatibility(self, loaded_backend):
         if loaded_backend not in ("torch_dist", DELTA_BACKEND):

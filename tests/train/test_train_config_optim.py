@@ -1,0 +1,176 @@
+"""TrainConfig validation (errors name the key), LR schedules, spike detection, MFU, estimate, launch commands."""
+import sys
+
+import pytest
+
+from storage.config import ConfigError, from_dict
+from train.config import OptimConfig, SpikeConfig, TrainConfig
+from train.metrics import Alerts, flops_per_token, mfu
+from train.models import ModelConfig
+from train.optim import SpikeDetector, lr_at
+
+
+def cfg(**kw) -> TrainConfig:
+    return from_dict(TrainConfig, kw)
+
+
+@pytest.mark.parametrize("data,key", [
+    ({"stepz": 3}, "stepz"),                                            # unknown key
+    ({"parallel": {"tp": "two"}}, "parallel.tp"),                       # wrong type
+    ({"optim": {"schedule": "linear"}}, "optim.schedule"),              # not one of the choices
+    ({"parallel": {"tp": 8}}, "parallel.tp"),                           # TP > heads (tiny has 4)
+    ({"parallel": {"tp": 4}}, "parallel.tp"),                           # TP does not divide kv heads (2)
+    ({"parallel": {"pp": 3}}, "parallel.pp"),                           # PP does not divide layers (4)
+    ({"parallel": {"global_batch_size": 6, "micro_batch_size": 4}}, "parallel.global_batch_size"),
+    ({"data": {"seq_len": 4096}}, "data.seq_len"),                      # > max_position_embeddings
+    ({"data": {"seq_len": 0}}, "data.seq_len"),
+    ({"optim": {"lr": 1.0e-4, "min_lr": 1.0e-3}}, "optim.min_lr"),
+    ({"steps": 0}, "steps"),
+])
+def test_bad_config_names_key(data, key):
+    with pytest.raises(ConfigError, match=f"key '{key}'"):
+        cfg(**data)
+
+
+def test_world_checks_name_key():
+    c = cfg(parallel={"tp": 2, "global_batch_size": 8, "micro_batch_size": 2})
+    with pytest.raises(ConfigError, match="key 'parallel.tp'.*world size 3"):
+        c.check_world(3)
+    with pytest.raises(ConfigError, match="key 'parallel.global_batch_size'"):
+        c.check_world(16)  # dp 8 × mbs 2 = 16 > 8
+    c.check_world(4)
+    assert c.parallel.dp(4) == 2 and c.parallel.num_microbatches(4) == 2
+
+
+def test_missing_dataset_fails_before_launch(tmp_path):
+    with pytest.raises(ConfigError, match="key 'data.dataset': required"):
+        cfg().check_data()
+    with pytest.raises(ConfigError, match="key 'data.dataset': cannot read a manifest"):
+        cfg(data={"dataset": str(tmp_path / "nope")}).check_data()
+    cfg(debug={"synthetic_data": True}).check_data()
+
+
+def test_vocab_from_dataset(random_dataset):
+    root, man = random_dataset
+    c = cfg(data={"dataset": root}).resolved_for_data()
+    assert c.model.resolved().vocab_size == man.tokenizer.vocab_size
+    with pytest.raises(ConfigError, match="key 'model.vocab_size'"):
+        cfg(data={"dataset": root}, model={"vocab_size": 1000}).check_data()
+
+
+def test_cosine_schedule():
+    o = OptimConfig(lr=1.0, min_lr=0.1, schedule="cosine", warmup_steps=10)
+    assert lr_at(0, o, 110) == pytest.approx(0.1)   # warmup is linear from lr/warmup
+    assert lr_at(9, o, 110) == pytest.approx(1.0)
+    assert lr_at(10, o, 110) == pytest.approx(1.0)
+    assert lr_at(60, o, 110) == pytest.approx(0.55)  # halfway: (lr + min_lr) / 2
+    assert lr_at(110, o, 110) == pytest.approx(0.1)
+    lrs = [lr_at(s, o, 110) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_wsd_schedule():
+    o = OptimConfig(lr=1.0, min_lr=0.0, schedule="wsd", warmup_steps=5, decay_fraction=0.2)
+    total = 100
+    assert [lr_at(s, o, total) for s in (0, 4)] == pytest.approx([0.2, 1.0])
+    assert all(lr_at(s, o, total) == 1.0 for s in range(5, 80))   # stable
+    assert lr_at(80, o, total) == pytest.approx(0.95)               # linear decay over the last 20 steps
+    assert lr_at(99, o, total) == pytest.approx(0.0)
+    assert lr_at(5, OptimConfig(lr=2.0, schedule="constant", warmup_steps=0), total) == 2.0
+
+
+def test_spike_detector():
+    d = SpikeDetector(SpikeConfig(window=50, zscore=4.0, min_history=10))
+    for i in range(9):
+        d.accept(3.0 + 0.01 * (i % 3))
+    assert not d.is_spike(100.0), "no decisions before min_history"
+    d.accept(3.01)
+    assert d.is_spike(3.5) and not d.is_spike(3.02) and not d.is_spike(1.0)
+    sd = d.state_dict()
+    d2 = SpikeDetector(SpikeConfig(window=50, zscore=4.0, min_history=10))
+    d2.load_state_dict(sd)
+    assert d2.zscore(3.5) == d.zscore(3.5)
+
+
+def test_flops_per_token_formula():
+    m = ModelConfig(preset="tiny")  # h 128, L 4, heads 4 (kv 2, head 32), ffn 352, vocab 1024
+    h, L, f, V, s = 128, 4, 352, 1024, 256
+    per_layer = h * h + 2 * h * 64 + h * h + 3 * h * f
+    expect = 6 * (L * per_layer + V * h) + 12 * L * s * h
+    assert flops_per_token(m, s) == expect
+    # the attention term grows with the sequence length
+    assert flops_per_token(m, 2 * s) - flops_per_token(m, s) == 12 * L * s * h
+    assert mfu(1000.0, 1e9, 1e13) == pytest.approx(0.1)
+    assert mfu(1000.0, 1e9, None) is None
+
+
+def test_alerts():
+    a = Alerts(mfu_warn_below=0.3, memory_stop_above=0.9)
+    w, stop = a.check({"mfu": 0.2, "mem_fraction": 0.5})
+    assert len(w) == 1 and "MFU 20.0%" in w[0] and stop is None
+    w, stop = a.check({"mfu": None, "mem_fraction": 0.95})
+    assert w == [] and "stopping" in stop
+    assert Alerts(0.0, 0.0).check({"mfu": 0.01, "mem_fraction": 0.99}) == ([], None)
+
+
+def test_estimate_1_7b_bf16():
+    from train.estimate import estimate
+
+    c = cfg(model={"preset": "1.7b"}, precision="bf16", data={"seq_len": 4096},
+            parallel={"micro_batch_size": 4, "global_batch_size": 64})
+    e = estimate(c, world=1)
+    assert e["params"] == 1_711_376_384
+    # bf16 megatron: 2 + 4 + 12 bytes per parameter for weights, fp32 grads, master + Adam
+    assert e["memory_gib"]["optimizer"] == pytest.approx(e["params_per_gpu"] * 12 / 2**30)
+    dist = estimate(cfg(model={"preset": "1.7b"}, precision="bf16", data={"seq_len": 4096},
+                        parallel={"micro_batch_size": 4, "global_batch_size": 64, "distributed_optimizer": True}),
+                    world=8)
+    assert dist["memory_gib"]["optimizer"] == pytest.approx(e["memory_gib"]["optimizer"] / 8)
+    tp2 = estimate(cfg(model={"preset": "1.7b"}, precision="bf16", parallel={"tp": 2}), world=2)
+    assert tp2["params_per_gpu"] < 0.51 * e["params_per_gpu"]
+    assert e["tokens_per_s_per_gpu"] == pytest.approx(0.45 * 989.4e12 / e["flops_per_token"])
+
+
+def test_torchrun_and_sbatch_commands(tmp_path):
+    from train.launch import sbatch_script, torchrun_command
+
+    c = cfg(run_dir=str(tmp_path / "run"), launch={"rdzv_endpoint": "10.0.0.1:1234"},
+            parallel={"global_batch_size": 64})
+    single = torchrun_command(c, "x.yaml", 2, 1)
+    assert "--standalone" in single and "--nproc-per-node=2" in single and single[-3:] == ["-m", "train.run", "x.yaml"]
+    multi = torchrun_command(c, "x.yaml", 1, 2, node_rank=1)
+    assert {"--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:1234", "--node-rank=1"} <= set(multi)
+    c.launch.slurm.nodes, c.launch.slurm.partition = 4, "gpu"
+    text = sbatch_script(c, tmp_path / "run" / "config.yaml", tmp_path)
+    for needle in ("#SBATCH --nodes=4", "#SBATCH --requeue", "#SBATCH --partition=gpu", "export NCCL_DEBUG=WARN",
+                   "--rdzv-backend=c10d", "--nnodes=4 --nproc-per-node=8", sys.executable, "srun "):
+        assert needle in text, needle
+
+
+def test_cli_estimate_preset_and_errors():
+    from click.testing import CliRunner
+
+    from train.cli import main
+
+    r = CliRunner().invoke(main, ["estimate", "--preset", "360m", "--gpus", "1"])
+    assert r.exit_code == 0, r.output
+    assert "361.8 M parameters" in r.output and "GFLOP" in r.output and "GiB" in r.output
+    r = CliRunner().invoke(main, ["estimate", "--preset", "3b", "--set", "parallel.tp=32"])
+    assert r.exit_code != 0 and "parallel.tp" in r.output
+
+
+def test_cli_launch_fails_before_any_process(tmp_path):
+    from click.testing import CliRunner
+
+    from train.cli import main
+
+    conf = tmp_path / "c.yaml"
+    conf.write_text(f"run_dir: {tmp_path / 'run'}\nparallel: {{tp: 2}}\n")
+    r = CliRunner().invoke(main, ["launch", str(conf), "--nproc", "2", "--dry-run"])
+    assert r.exit_code == 2 and "key 'data.dataset'" in r.output
+    r = CliRunner().invoke(main, ["launch", str(conf), "--nproc", "3", "--set", "debug.synthetic_data=true"])
+    assert r.exit_code == 2 and "world size 3" in r.output
+    r = CliRunner().invoke(main, ["launch", str(conf), "--nproc", "2", "--dry-run",
+                                  "--set", "debug.synthetic_data=true"])
+    assert r.exit_code == 0 and "torch.distributed.run" in r.output
+    assert (tmp_path / "run" / "config.yaml").exists()

@@ -1,0 +1,25 @@
+"""Checkpoints: async, sharded, incremental, atomic; resume under any layout; offload; HF export.
+
+- Full checkpoints are megatron dist_checkpointing (torch_dist) saves of the model and optimizer
+  sharded state dicts; incremental ones store only XOR+zstd deltas of main-replica tensor pieces against
+  the newest full checkpoint (their base) and reference it (`incremental.py`, `strategies.py`).
+- Saves are asynchronous: training waits only for the host copy; a background thread writes; the next
+  save or `wait()` finalizes (`save.py`).
+- Every checkpoint is written under `.tmp-…`, checksummed (sha256 per file in manifest.json), fsynced,
+  renamed, and then `latest` moves (`layout.py`); resume takes the newest one that verifies (`resume.py`).
+- Retention keeps the newest k, every K-th full one and the bases they need (`retention.py`); offload
+  copies to an fsspec URL and deletes local copies only after the remote verifies (`offload.py`).
+- `train ckpt list|verify|export` (`cli.py`); export to a Hugging Face Llama folder (`export_hf.py`).
+See docs/checkpoints.md.
+"""
+from train.checkpoint.config import CheckpointConfig
+
+__all__ = ["CheckpointConfig", "CheckpointManager"]
+
+
+def __getattr__(name):
+    # CheckpointManager pulls in megatron-core; import it lazily so config loading stays light.
+    if name == "CheckpointManager":
+        from train.checkpoint.manager import CheckpointManager
+        return CheckpointManager
+    raise AttributeError(name)

@@ -1,0 +1,86 @@
+"""`train ckpt list|verify|export`: inspect, check and convert checkpoints (local folders or fsspec URLs)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+import fsspec
+
+from storage.fs import get_fs
+from train.checkpoint import layout
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+@click.group("ckpt")
+def ckpt() -> None:
+    """Checkpoints: list, verify, export to Hugging Face."""
+
+
+@ckpt.command("list")
+@click.argument("root")
+def list_cmd(root: str) -> None:
+    """Checkpoints under ROOT (folder or URL): step, kind, base, size, tensor bytes written vs full."""
+    fs, path = get_fs(root)
+    infos = {c.name: c for c in layout.list_checkpoints(fs, path)}
+    latest = layout.read_latest(fs, path)
+    click.echo(f"{'name':<16} {'kind':<12} {'base':<16} {'size':>11} {'written/full':>13}")
+    for name in layout.checkpoint_names(fs, path):
+        c = infos.get(name)
+        if c is None:
+            click.echo(f"{name:<16} {'BROKEN':<12} {'-':<16} {'-':>11} {'-':>13}  (no readable manifest)")
+            continue
+        tb = c.manifest.get("tensor_bytes", {})
+        ratio = f"{100.0 * tb['written'] / tb['full']:.1f}%" if tb.get("full") else "-"
+        mark = "  <- latest" if name == latest else ""
+        click.echo(f"{name:<16} {c.kind:<12} {c.base or '-':<16} {_human(c.total_bytes):>11} {ratio:>13}{mark}")
+
+
+@ckpt.command("verify")
+@click.argument("root")
+@click.argument("names", nargs=-1)
+@click.option("--sizes-only", is_flag=True, help="Check presence and sizes, skip sha256.")
+def verify_cmd(root: str, names: tuple[str, ...], sizes_only: bool) -> None:
+    """Verify checksums of NAMES (default: every checkpoint under ROOT, with their bases). Exit 1 if any fails."""
+    fs, path = get_fs(root)
+    bad = 0
+    for name in names or layout.checkpoint_names(fs, path):
+        problems = layout.verify(fs, path, name, checksums=not sizes_only)
+        if problems:
+            bad += 1
+            click.echo(f"FAIL {name}")
+            for p in problems:
+                click.echo(f"  {p}")
+        else:
+            click.echo(f"ok   {name}")
+    if bad:
+        sys.exit(1)
+
+
+@ckpt.command("export")
+@click.argument("checkpoint")
+@click.argument("out_dir")
+@click.option("--tokenizer", help="tokenizer.json to include (default: the one recorded in the checkpoint)")
+@click.option("--num-heads", type=int, help="Override the model's attention heads")
+@click.option("--num-kv-heads", type=int, help="Override the model's KV heads")
+def export_cmd(checkpoint: str, out_dir: str, tokenizer: str | None, num_heads: int | None,
+               num_kv_heads: int | None) -> None:
+    """Export CHECKPOINT (a step_… folder) to a Hugging Face Llama folder OUT_DIR."""
+    from train.checkpoint.export_hf import export
+
+    if "://" in checkpoint and not checkpoint.startswith("file://"):
+        raise click.UsageError("export reads a local checkpoint; pull it first (e.g. resume or fsspec cp)")
+    root, name = os.path.split(os.path.abspath(checkpoint.removeprefix("file://").rstrip("/")))
+    problems = layout.verify(fsspec.filesystem("file"), root, name)
+    if problems:
+        raise click.ClickException(f"{checkpoint} does not verify: " + "; ".join(problems[:5]))
+    cfg = export(checkpoint, out_dir, tokenizer, {"num_heads": num_heads, "num_kv_heads": num_kv_heads})
+    click.echo(f"exported {cfg['smoltrain_checkpoint']['name']} ({cfg['num_hidden_layers']} layers, "
+               f"hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}) to {out_dir}")

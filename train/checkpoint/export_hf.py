@@ -1,0 +1,127 @@
+"""Export a checkpoint (full or incremental, any TP/PP layout) to a Hugging Face Llama folder:
+model.safetensors, config.json, generation_config.json and tokenizer.json, loadable by
+`transformers.LlamaForCausalLM.from_pretrained`.
+
+Weights are read as whole (unsharded) tensors with megatron's `load_plain_tensors`, deltas applied for
+incremental checkpoints, then renamed/split into Llama's layout:
+  linear_qkv  [groups × (q_per_group + 2) × head_dim, h]  →  q_proj, k_proj, v_proj
+  linear_fc1  [gate; up]                                   →  gate_proj, up_proj
+The padded vocabulary is kept (vocab_size in config.json is the padded size), so logits line up with ours.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import fsspec
+import torch
+
+from train.checkpoint import layout
+from train.checkpoint.incremental import DeltaSet
+
+
+def _plain_tensors(path: str) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    created = False
+    if not dist.is_initialized():  # megatron's loader asks for a rank even when reading everything
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        created = True
+    try:
+        sd = dist_checkpointing.load_plain_tensors(path)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer")}
+
+
+def load_model_tensors(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Whole model tensors of a checkpoint (megatron key → tensor) and its manifest."""
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    m = layout.read_manifest(fsspec.filesystem("file"), ckpt_dir)
+    base_dir = os.path.join(os.path.dirname(ckpt_dir), m["base"]) if m.get("base") else ckpt_dir
+    tensors = _plain_tensors(base_dir)
+    if m["kind"] == "incremental":
+        deltas = DeltaSet(ckpt_dir)
+        for k, t in tensors.items():
+            deltas.apply(k, (0,) * t.dim(), t)
+    return tensors, m
+
+
+def _pick(t: dict, *names: str) -> torch.Tensor:
+    for n in names:
+        if n in t:
+            return t[n]
+    raise KeyError(f"none of {names} in checkpoint (keys: {', '.join(sorted(t)[:12])} ...)")
+
+
+def to_llama(t: dict[str, torch.Tensor], heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
+    out = {"model.embed_tokens.weight": t["embedding.word_embeddings.weight"],
+           "model.norm.weight": t["decoder.final_layernorm.weight"]}
+    if "output_layer.weight" in t:
+        out["lm_head.weight"] = t["output_layer.weight"]
+    qkv = t["decoder.layers.self_attention.linear_qkv.weight"]
+    layers, _, hidden = qkv.shape
+    hd = hidden // heads
+    per_group = heads // kv_heads
+    ln1 = _pick(t, "decoder.layers.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.input_layernorm.weight")
+    ln2 = _pick(t, "decoder.layers.mlp.linear_fc1.layer_norm_weight", "decoder.layers.pre_mlp_layernorm.weight")
+    fc1 = t["decoder.layers.mlp.linear_fc1.weight"]
+    ffn = fc1.shape[1] // 2
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        g = qkv[i].reshape(kv_heads, (per_group + 2) * hd, hidden)
+        out[p + "self_attn.q_proj.weight"] = g[:, : per_group * hd].reshape(heads * hd, hidden)
+        out[p + "self_attn.k_proj.weight"] = g[:, per_group * hd: (per_group + 1) * hd].reshape(kv_heads * hd, hidden)
+        out[p + "self_attn.v_proj.weight"] = g[:, (per_group + 1) * hd:].reshape(kv_heads * hd, hidden)
+        out[p + "self_attn.o_proj.weight"] = t["decoder.layers.self_attention.linear_proj.weight"][i]
+        out[p + "input_layernorm.weight"] = ln1[i]
+        out[p + "post_attention_layernorm.weight"] = ln2[i]
+        out[p + "mlp.gate_proj.weight"] = fc1[i, :ffn]
+        out[p + "mlp.up_proj.weight"] = fc1[i, ffn:]
+        out[p + "mlp.down_proj.weight"] = t["decoder.layers.mlp.linear_fc2.weight"][i]
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def model_shape(manifest: dict, overrides: dict | None = None) -> dict:
+    """Model hyper-parameters from the manifest's meta.model (a train.models.ModelConfig mapping)."""
+    from train.models import ModelConfig
+
+    meta = dict((manifest.get("meta") or {}).get("model") or {})
+    meta.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    known = {f for f in ModelConfig.__dataclass_fields__}
+    return ModelConfig(**{k: v for k, v in meta.items() if k in known}).resolved().__dict__
+
+
+def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides: dict | None = None) -> dict:
+    """Write the HF folder; returns the config written."""
+    from safetensors.torch import save_file
+
+    tensors, m = load_model_tensors(ckpt_dir)
+    s = model_shape(m, overrides)
+    hf = to_llama(tensors, s["num_heads"], s["num_kv_heads"])
+    emb = hf["model.embed_tokens.weight"]
+    tied = "lm_head.weight" not in hf
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": emb.shape[1], "intermediate_size": hf["model.layers.0.mlp.gate_proj.weight"].shape[0],
+        "num_hidden_layers": sum(1 for k in hf if k.endswith("q_proj.weight")),
+        "num_attention_heads": s["num_heads"], "num_key_value_heads": s["num_kv_heads"],
+        "head_dim": emb.shape[1] // s["num_heads"], "vocab_size": emb.shape[0],
+        "max_position_embeddings": s["max_position_embeddings"], "rms_norm_eps": s["norm_eps"],
+        "rope_theta": float(s["rope_theta"]), "tie_word_embeddings": tied, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": str(emb.dtype).removeprefix("torch."),
+        "smoltrain_checkpoint": {"name": m["name"], "step": m["step"], "kind": m["kind"]},
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(hf, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"_from_model_config": True}, f)
+    tok = tokenizer or (m.get("meta") or {}).get("tokenizer")
+    if tok:
+        shutil.copyfile(tok, os.path.join(out_dir, "tokenizer.json"))
+    return config

@@ -1,0 +1,72 @@
+"""Resume: pick the newest checkpoint that verifies (local, else pulled from the offload URL) and load it
+in place into a TrainState, under any TP/PP/DP layout.
+
+Incremental checkpoints load their base's tensors with torch_dist (which reshards) and then apply their
+deltas by global region; the base's values are kept as the base snapshot for later incremental saves.
+RNG states are restored only when the layout is unchanged (per-rank streams do not map across layouts).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import fsspec
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from train.checkpoint import layout, state_io
+from train.checkpoint.config import CheckpointConfig
+from train.checkpoint.strategies import DeltaAwareLoadStrategy
+from train.state import TrainState
+
+log = logging.getLogger("train.checkpoint")
+
+
+def choose_local(root: str, checksums: bool) -> tuple[str | None, list[str]]:
+    """Newest checkpoint under root that verifies, and the problems of newer ones that did not."""
+    fs = fsspec.filesystem("file")
+    skipped = []
+    for name in reversed(layout.checkpoint_names(fs, root)):
+        problems = layout.verify(fs, root, name, checksums=checksums)
+        if not problems:
+            return name, skipped
+        msg = f"skipping checkpoint {root}/{name}: " + "; ".join(problems[:5])
+        log.warning(msg)
+        skipped.append(msg)
+    return None, skipped
+
+
+def broadcast_choice(name: str | None) -> str | None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return name
+
+
+def load_into(state: TrainState, root: str, name: str, cfg: CheckpointConfig) -> dict:
+    """Load checkpoint `name` into `state` in place. Returns {'base_name', 'base_snapshot', 'manifest'}."""
+    path = os.path.join(root, name)
+    m = layout.read_manifest(fsspec.filesystem("file"), path)
+    base_name = m["base"] or name
+    strategy = DeltaAwareLoadStrategy(os.path.join(root, base_name), path if m["kind"] == "incremental" else None)
+    sd = state_io.sharded_state_dict(state, cfg.distrib_optim_sharding_type, is_loading=True)
+    try:
+        loaded = dist_checkpointing.load(sd, path, sharded_strategy=strategy)
+    except Exception as e:
+        raise layout.CheckpointError(f"{path}: load failed (base {base_name}): {e}") from e
+    state_io.apply_loaded(state, loaded)
+    ts = torch.load(os.path.join(path, "train_state.pt"), weights_only=False)
+    state_io.load_train_state(state, ts)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rng_file = os.path.join(path, "rng", f"rank{rank:05d}.pt")
+    if m.get("layout") == state_io.layout() and os.path.exists(rng_file):
+        state_io.set_rng_state(torch.load(rng_file, weights_only=False))
+    elif rank == 0:
+        log.warning("checkpoint %s: parallel layout changed (%s -> %s): RNG states not restored",
+                    name, m.get("layout"), state_io.layout())
+    if rank == 0:
+        log.info("resumed from checkpoint %s (%s, step %d)%s", name, m["kind"], m["step"],
+                 f", {strategy.pieces_applied} delta pieces on {base_name}" if m["kind"] == "incremental" else "")
+    return {"base_name": base_name, "base_snapshot": strategy.base_snapshot, "manifest": m}

@@ -1,0 +1,212 @@
+"""Asynchronous sharded saves through megatron dist_checkpointing.
+
+A save has three phases:
+1. stage (training waits): build the sharded state dict, copy every tensor to host memory, write the
+   small files (train_state.pt, rng/rankN.pt), plan the write (`dist_checkpointing.save(async)`);
+2. write (background thread): the AsyncRequest's write function (torch_dist for full checkpoints,
+   XOR+zstd deltas for incremental ones);
+3. finalize (all ranks, at a later step once every rank's write finished): megatron's finalize functions
+   (global metadata), then rank 0 commits in its background thread: checksums, manifest, fsync, rename,
+   `latest` (layout.commit).
+A write that fails on any rank is reported by every rank and the checkpoint is never committed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import apply_factories
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+from train.checkpoint import layout, state_io
+from train.checkpoint.config import CheckpointConfig
+from train.checkpoint.strategies import DeltaSaveStrategy, main_pieces, snapshot, stage
+from train.state import TrainState
+
+log = logging.getLogger("train.checkpoint")
+FAIL_ENV = "SMOLTRAIN_CKPT_FAIL_WRITE_AT_STEP"  # fault injection for tests: the write of that step raises
+
+
+def rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_int(value: int, op) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    # NCCL reduces device tensors only; gloo host tensors.
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=op)
+    return int(t.item())
+
+
+@dataclass
+class PendingSave:
+    step: int
+    kind: str
+    base: str | None
+    tmp: str
+    request: AsyncRequest
+    future: Future
+    strategy: object
+    new_base: dict | None  # full saves: the staged values become the base of later incrementals
+    stall_s: float
+    staged_bytes: int
+    info: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return layout.ckpt_name(self.step)
+
+
+def _run_request(req: AsyncRequest, step: int) -> None:
+    if os.environ.get(FAIL_ENV) == str(step):
+        raise OSError(f"injected write failure at step {step} ({FAIL_ENV})")
+    # req.preload_fn (megatron's device→host copy) is not needed: stage() already made host copies.
+    args = list(req.async_fn_args)
+    if req.async_fn is not None:
+        req.async_fn(*args, **req.async_fn_kwargs)
+    # torch_dist reports a failed write through a results queue that megatron reads in its (collective)
+    # finalize; peek at it here so every rank learns about the failure before any collective runs.
+    if len(args) == 3 and hasattr(args[2], "get"):
+        result = args[2].get()
+        args[2].put(result)
+        if isinstance(result, Exception):
+            raise result
+
+
+class Saver:
+    """At most one save in flight; `poll` finalizes it once all ranks have written."""
+
+    def __init__(self, root: str, cfg: CheckpointConfig, meta: dict | None = None):
+        self.root, self.cfg, self.meta = root, cfg, meta or {}
+        self.rank, self.world = rank_world()
+        self.pending: PendingSave | None = None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+        self._commits: list[Future] = []
+        self.failed: list[str] = []  # messages of saves that were not committed
+        self.last_stall_s = 0.0
+        # torch_dist's async writer starts a spawn-based results queue on first use (seconds): start it
+        # here, before training, instead of inside the first save's stall.
+        try:
+            from megatron.core.dist_checkpointing.strategies import filesystem_async
+            filesystem_async._get_write_results_queue()
+        except (ImportError, AttributeError):  # a megatron without it: started on first save instead
+            log.debug("megatron results queue not pre-started")
+
+    def start(self, state: TrainState, kind: str, base_name: str | None, base: dict | None) -> PendingSave:
+        assert self.pending is None, "a save is already in flight"
+        t0 = time.perf_counter()
+        step = state.step
+        tmp = os.path.join(self.root, f".tmp-{layout.ckpt_name(step)}")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "rng"))
+        barrier()
+        sd = state_io.sharded_state_dict(state, self.cfg.distrib_optim_sharding_type, is_loading=False)
+        apply_factories(sd)
+        staged = stage(sd)
+        torch.save(state_io.rng_state(), os.path.join(tmp, "rng", f"rank{self.rank:05d}.pt"))
+        if self.rank == 0:
+            torch.save(state_io.train_state_dict(state), os.path.join(tmp, "train_state.pt"))
+        pieces = main_pieces(sd)
+        new_base = snapshot(pieces) if kind == "full" else None
+        if kind == "full":
+            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+        else:
+            strategy = DeltaSaveStrategy(self.rank, base, self.cfg.compression_level)
+        req = dist_checkpointing.save(sd, tmp, sharded_strategy=strategy, async_sharded_save=True)
+        future = self._writer.submit(_run_request, req, step)
+        stall = time.perf_counter() - t0
+        self.last_stall_s = stall
+        self.pending = PendingSave(step, kind, base_name if kind == "incremental" else None, tmp, req, future,
+                                   strategy, new_base, stall, staged,
+                                   {"full_bytes": sum(p.tensor.numel() * p.tensor.element_size() for p in pieces)})
+        return self.pending
+
+    def poll(self, block: bool) -> PendingSave | None:
+        """Finalize the save in flight if every rank finished writing (or wait for that with `block`).
+        Returns the finalized PendingSave (check `.info['ok']`), or None if nothing was finalized."""
+        p = self.pending
+        if p is None:
+            return None
+        if block:
+            wait([p.future])
+        elif all_reduce_int(int(p.future.done()), dist.ReduceOp.MIN) == 0:
+            return None
+        self.pending = None
+        err = p.future.exception()
+        any_err = all_reduce_int(int(err is not None), dist.ReduceOp.MAX)
+        if not any_err:
+            try:
+                for fn in p.request.finalize_fns:
+                    fn()
+            except Exception as e:  # noqa: BLE001 - reported below, checkpoint not committed
+                err, any_err = e, 1
+        if any_err:
+            msg = (f"checkpoint {p.name} ({p.kind}) was NOT saved: background write failed"
+                   + (f" on rank {self.rank}: {err!r}" if err is not None else " on another rank"))
+            log.error(msg, exc_info=err)
+            self.failed.append(msg)
+            if self.rank == 0:
+                shutil.rmtree(p.tmp, ignore_errors=True)
+            p.info["ok"] = False
+            return p
+        stats = p.strategy.stats if isinstance(p.strategy, DeltaSaveStrategy) else \
+            {"written": p.info["full_bytes"], "full": p.info["full_bytes"]}
+        gathered = [stats]
+        if self.world > 1:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, stats)
+        info = {"layout": state_io.layout(), "meta": self.meta, "stall_s": round(p.stall_s, 4),
+                "tensor_bytes": {"written": sum(s.get("written", 0) for s in gathered),
+                                 "full": sum(s.get("full", 0) for s in gathered)}}
+        p.info["ok"] = True
+        if self.rank == 0:
+            self._commits.append(self._committer.submit(self._commit, p, info))
+        return p
+
+    def _commit(self, p: PendingSave, info: dict) -> dict:
+        try:
+            m = layout.commit(p.tmp, self.root, p.step, p.kind, p.base, info)
+        except Exception as e:
+            msg = f"checkpoint {p.name}: commit failed, not saved: {e!r}"
+            log.error(msg, exc_info=e)
+            self.failed.append(msg)
+            raise
+        tb = info["tensor_bytes"]
+        log.info("checkpoint %s (%s%s) committed: tensors %d of %d bytes written (%.1f%%), stall %.3fs",
+                 p.name, p.kind, f" on {p.base}" if p.base else "", tb["written"], tb["full"],
+                 100.0 * tb["written"] / max(tb["full"], 1), p.stall_s)
+        if self.on_commit is not None:
+            self.on_commit(m)
+        return m
+
+    on_commit = None  # callable(manifest), set by the manager: retention and offload
+
+    def wait_commits(self) -> None:
+        wait(self._commits)  # failures were reported in _commit
+        self._commits.clear()
+
+    def close(self) -> None:
+        self.poll(block=True)
+        self.wait_commits()
+        self._writer.shutdown(wait=True)
+        self._committer.shutdown(wait=True)

@@ -1,0 +1,147 @@
+"""Training metrics: FLOPs per token and MFU, memory, sinks (console, JSONL, TensorBoard), alerts.
+
+FLOPs per token (training = forward + backward = 3 × forward, matmuls only, PaLM appendix B convention):
+    6 · (L · (attention + MLP matmul params) + V · h)  +  12 · L · s · h_q
+where V · h is the output projection (counted even when tied: the matmul happens), s the sequence
+length and h_q = heads · head_dim; the second term is attention's QKᵀ and AV (full, not causal-halved,
+as Megatron-LM and PaLM report it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from train.models import ModelConfig
+
+# Dense bf16 tensor-core peak per GPU (FLOP/s), from NVIDIA's datasheets (SXM parts).
+PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12}
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    s = m.resolved()
+    h, L, f = s.hidden_size, s.num_layers, s.ffn_hidden_size
+    hq = s.num_heads * (h // s.num_heads)
+    hkv = s.num_kv_heads * (h // s.num_heads)
+    matmul_params = L * (h * hq + 2 * h * hkv + hq * h + 3 * h * f) + s.vocab_size * h
+    return 6.0 * matmul_params + 12.0 * L * seq_len * hq
+
+
+def peak_flops(configured: float | None, precision: str = "bf16") -> float | None:
+    """Peak FLOP/s of one device: the configured value, else a datasheet value for the CUDA device."""
+    if configured:
+        return configured
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, value in PEAK_BF16.items():
+        if key in name:
+            return value if precision == "bf16" else value / 2  # TF32 tensor cores: half the bf16 rate
+    return None
+
+
+def mfu(tokens_per_s_per_device: float, fpt: float, peak: float | None) -> float | None:
+    return tokens_per_s_per_device * fpt / peak if peak else None
+
+
+def memory_stats() -> dict:
+    """Device memory (CUDA: allocated, reserved, fragmentation, fraction of total) or host RSS on CPU.
+
+    `fraction` is what the memory alert compares: CUDA reserved / total, or RSS / total RAM on CPU."""
+    import torch
+
+    rss = psutil.Process().memory_info().rss
+    out = {"rss_gib": rss / 2**30}
+    from train import cpu_compat
+
+    if torch.cuda.is_available() and not cpu_compat.active():
+        alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        out.update(alloc_gib=alloc / 2**30, reserved_gib=reserved / 2**30,
+                   peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
+                   fragmentation=(1 - alloc / reserved) if reserved else 0.0, fraction=reserved / total)
+    else:
+        out["fraction"] = rss / psutil.virtual_memory().total
+    return out
+
+
+class Sinks:
+    """Rank 0 writes each record to the console, `metrics.jsonl` and TensorBoard (`tb/`)."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool, enabled: bool = True):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            except ImportError:  # tensorboard is a declared dependency; stay usable without it
+                self._tb = None
+
+    def log(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        rec = {"time": time.time(), **rec}
+        self._jsonl.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k not in ("step", "time") and v is not None:
+                    self._tb.add_scalar(f"train/{k}", v, rec["step"])
+        print(format_record(rec), file=sys.stdout, flush=True)
+
+    def event(self, step: int, kind: str, message: str) -> None:
+        """Alerts and notable events: console (stderr) and JSONL."""
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"time": time.time(), "step": step, "event": kind, "message": message}) + "\n")
+        print(f"[{kind}] step {step}: {message}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_record(r: dict) -> str:
+    parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"gnorm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
+             f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_time_s'] * 1000:.0f} ms/step",
+             f"data {100 * r['data_wait_share']:.1f}%"]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    mem = r.get("reserved_gib", r.get("rss_gib"))
+    parts.append(f"mem {mem:.2f} GiB")
+    if r.get("skipped_steps"):
+        parts.append(f"skipped {r['skipped_steps']}")
+    return " | ".join(parts)
+
+
+class Alerts:
+    """MFU below a threshold → warning (once per log interval); memory above a threshold → stop."""
+
+    def __init__(self, mfu_warn_below: float, memory_stop_above: float):
+        self.mfu_warn_below, self.memory_stop_above = mfu_warn_below, memory_stop_above
+
+    def check(self, rec: dict) -> tuple[list[str], str | None]:
+        """(warnings, stop reason or None) for one metrics record."""
+        warnings = []
+        if self.mfu_warn_below and rec.get("mfu") is not None and rec["mfu"] < self.mfu_warn_below:
+            warnings.append(f"MFU {100 * rec['mfu']:.1f}% is below {100 * self.mfu_warn_below:.0f}%")
+        stop = None
+        if self.memory_stop_above and rec["mem_fraction"] > self.memory_stop_above:
+            stop = (f"memory at {100 * rec['mem_fraction']:.1f}% is above "
+                    f"{100 * self.memory_stop_above:.0f}%: stopping cleanly")
+        return warnings, stop

@@ -1,0 +1,47 @@
+"""`train plot RUN_DIR`: PNG curves (loss, grad norm, LR, tokens/s, MFU, memory) from metrics.jsonl."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PANELS = [("loss", "loss"), ("grad_norm", "grad norm"), ("lr", "learning rate"),
+          ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("mem_gib", "memory (GiB)")]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a run directory?)")
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in recs if "loss" in r]
+
+
+def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = read_metrics(run_dir)
+    if not recs:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no step records")
+    for r in recs:
+        r["mem_gib"] = r.get("reserved_gib", r.get("rss_gib"))
+    out = Path(out) if out else Path(run_dir) / "metrics.png"
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    steps = [r["step"] for r in recs]
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        ys = [r.get(key) for r in recs]
+        pts = [(s, y) for s, y in zip(steps, ys) if y is not None]
+        if pts:
+            ax.plot(*zip(*pts), lw=1.2)
+        else:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(str(run_dir))
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,224 @@
+"""The `Trainer`: parallel setup → model → data → optimizer/schedule → loop with metrics, alerts, checkpoints.
+
+Read `Trainer.__init__` and `Trainer.train_step` top to bottom; each concern lives in its own module
+(parallel, models, optim, metrics, data, train.checkpoint). Everything a checkpoint needs is
+`trainer.state` (train.state.TrainState).
+"""
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from storage import config as cfgmod
+from train import parallel
+from train.config import TrainConfig
+from train.data import make_loader
+from train.metrics import Alerts, Sinks, flops_per_token, memory_stats, mfu, peak_flops
+from train.models import build_model
+from train.optim import LRScheduler, SpikeDetector, build_optimizer, clip_and_step, grad_norm
+from train.state import TrainState
+
+
+class TrainingAborted(RuntimeError):
+    """Raised on an abort policy (loss spike, too many skipped steps); the CLI exits non-zero."""
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        from megatron.core.distributed import finalize_model_grads
+
+        self.cfg = cfg = cfg.resolved_for_data()
+        self.par = par = parallel.init(cfg)
+        self.run_dir = Path(cfg.run_dir)
+        if par.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfgmod.save(cfg, self.run_dir / "config.yaml")
+
+        chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.precision == "bf16", seed=cfg.seed)
+        self.model = parallel.wrap_ddp(cfg, chunks)
+        tcfg = chunks[0].config
+        # The schedule calls these: DP grad all-reduce (or reduce-scatter), tied-embedding and layernorm
+        # grad sync across pipeline stages; without them DP and PP ranks silently diverge.
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        tcfg.no_sync_func = self.model[0].no_sync if len(self.model) == 1 else [m.no_sync for m in self.model]
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.steps)
+        self.loader = make_loader(cfg, par)
+        self.spikes = SpikeDetector(cfg.spike)
+        self.state = TrainState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                loader=self.loader, extra={"skipped_steps": 0, "nonfinite_steps": 0,
+                                                           "spike_steps": 0, "consecutive_skips": 0})
+        self.sinks = Sinks(self.run_dir, cfg.monitor.tensorboard, enabled=par.rank == 0)
+        self.alerts = Alerts(cfg.alerts.mfu_warn_below, cfg.alerts.memory_stop_above)
+        self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = peak_flops(cfg.monitor.peak_flops, cfg.precision)
+        self.ckpt = _checkpoint_manager(cfg, self.run_dir)
+        self.stop_reason: str | None = None
+
+    # ---------------------------------------------------------------- one step
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator).to(self.par.device, non_blocking=True)
+        tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        out = model(tokens, positions, None, labels=labels)  # causal mask comes from the layer spec
+        return out, partial(self._loss, step=self.state.step)
+
+    def _loss(self, token_losses, step: int):
+        total = token_losses.float().sum()
+        if step == self.cfg.debug.inject_nan_step:
+            total = total * float("nan")
+        if step == self.cfg.debug.inject_spike_step:
+            total = total * 100.0
+        n = torch.tensor(token_losses.numel(), dtype=torch.int, device=total.device)
+        # (loss, tokens, report): megatron divides by tokens and micro-batches for backward.
+        return total, n, {"lm_loss": torch.stack([total.detach().clone(), n.double()])}
+
+    def train_step(self) -> dict:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        cfg, par, st = self.cfg, self.par, self.state
+        t0 = time.perf_counter()
+        batch = next(self.loader)                        # [rows of this DP rank, seq_len + 1]
+        data_wait = time.perf_counter() - t0
+        mbs = cfg.parallel.micro_batch_size
+        micro = iter(batch.split(mbs))
+
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.scheduler.apply()
+        reports = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=micro, model=self.model,
+            num_microbatches=par.num_microbatches, seq_length=cfg.data.seq_len, micro_batch_size=mbs,
+            forward_only=False)
+        loss = self._global_loss(reports)
+        norm = grad_norm(self.optimizer)
+
+        skip = None
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            skip = "nonfinite"
+        elif self.spikes.is_spike(loss):
+            z = self.spikes.zscore(loss)
+            self.sinks.event(st.step, "spike", f"loss {loss:.4f} z-score {z:.1f} (policy {cfg.spike.policy})")
+            if cfg.spike.policy == "abort":
+                raise TrainingAborted(f"loss spike at step {st.step}: loss {loss:.4f}, z-score {z:.1f}")
+            if cfg.spike.policy == "skip":
+                skip = "spike"
+        if skip is None:
+            clip_and_step(self.optimizer, norm, cfg.optim.clip_grad)
+            self.scheduler.step()
+            self.spikes.accept(loss)
+            st.extra["consecutive_skips"] = 0
+        else:
+            self._count_skip(skip, loss, norm)
+
+        st.step += 1
+        st.consumed_tokens += cfg.parallel.global_batch_size * cfg.data.seq_len
+        return {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": skip is not None,
+                "step_time_s": time.perf_counter() - t0, "data_wait_s": data_wait}
+
+    def _global_loss(self, reports: list) -> float:
+        """Token-mean loss over the global batch, known on every rank (decisions must agree)."""
+        t = torch.zeros(2, dtype=torch.float64, device=self.par.device)
+        if self.par.is_last_stage and self.par.tp_rank == 0:
+            for r in reports:
+                t += r["lm_loss"].to(t)
+        dist.all_reduce(t)
+        return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+
+    def _count_skip(self, kind: str, loss: float, norm: float) -> None:
+        ex = self.state.extra
+        ex["skipped_steps"] += 1
+        ex["nonfinite_steps" if kind == "nonfinite" else "spike_steps"] += 1
+        ex["consecutive_skips"] += 1
+        self.sinks.event(self.state.step, "skip", f"{kind} step skipped (loss {loss}, grad norm {norm}); "
+                                                  f"{ex['skipped_steps']} skipped so far")
+        if ex["consecutive_skips"] >= self.cfg.alerts.max_consecutive_skips:
+            raise TrainingAborted(f"{ex['consecutive_skips']} consecutive steps skipped")
+
+    # ---------------------------------------------------------------- loop
+    def train(self) -> dict:
+        cfg, st = self.cfg, self.state
+        if self.ckpt is not None and self.ckpt.resume(st):
+            self.spikes.load_state_dict(st.extra.get("spike", {}))
+            self.sinks.event(st.step, "resume", f"resumed at step {st.step}")
+        window, last = [], {}
+        try:
+            while st.step < cfg.steps:
+                out = self.train_step()
+                window.append(out)
+                st.extra["spike"] = self.spikes.state_dict()
+                if st.step % cfg.monitor.log_every == 0 or st.step == cfg.steps:
+                    last = self._log(window)
+                    window = []
+                if self.ckpt is not None:
+                    self.ckpt.maybe_save(st, force=self.stop_reason is not None)
+                if self.stop_reason:
+                    break
+        finally:
+            self.close()
+        return {"step": st.step, "stop_reason": self.stop_reason, **st.extra, "last": last}
+
+    def _log(self, window: list[dict]) -> dict:
+        cfg, par, st = self.cfg, self.par, self.state
+        elapsed = sum(w["step_time_s"] for w in window)
+        tokens = len(window) * cfg.parallel.global_batch_size * cfg.data.seq_len
+        tps = tokens / elapsed if elapsed > 0 else 0.0
+        mem = memory_stats()
+        mem["fraction"] = parallel.all_reduce_max(mem["fraction"], par.device)
+        rec = {"step": st.step, "loss": window[-1]["loss"], "grad_norm": window[-1]["grad_norm"],
+               "lr": window[-1]["lr"], "tokens_per_s": tps, "tokens_per_s_per_device": tps / par.world,
+               "step_time_s": elapsed / len(window),
+               "data_wait_share": sum(w["data_wait_s"] for w in window) / elapsed if elapsed > 0 else 0.0,
+               "mfu": mfu(tps / par.world, self.fpt, self.peak), "consumed_tokens": st.consumed_tokens,
+               "skipped_steps": st.extra["skipped_steps"], "nonfinite_steps": st.extra["nonfinite_steps"],
+               "spike_steps": st.extra["spike_steps"], "mem_fraction": mem.pop("fraction"), **mem}
+        self.sinks.log(rec)
+        warnings, stop = self.alerts.check(rec)
+        for w in warnings:
+            self.sinks.event(st.step, "warning", w)
+        if stop:
+            self.sinks.event(st.step, "stop", stop)
+            self.stop_reason = stop
+        return rec
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.wait()
+            self.ckpt.close()
+            self.ckpt = None
+        self.loader.close()
+        self.sinks.close()
+
+
+def _checkpoint_manager(cfg: TrainConfig, run_dir: Path):
+    """train.checkpoint's manager; the manifest records the resolved model config (for HF export)."""
+    from train.checkpoint import CheckpointManager
+
+    meta = {"model": cfgmod.to_plain(cfg.model.resolved()), "precision": cfg.precision,
+            "seq_len": cfg.data.seq_len, "padded_vocab_size": cfg.model.padded_vocab_size(cfg.parallel.tp)}
+    return CheckpointManager(cfg.checkpoint, str(run_dir), meta=meta)
+
+
+def run(cfg: TrainConfig) -> int:
+    """Train in this (torchrun-started) process; 0 on completion or a clean stop, 3 on an abort."""
+    import sys
+
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        result = trainer.train()
+        if trainer.par.rank == 0:
+            print(f"done: step {result['step']}, skipped {result['skipped_steps']}"
+                  + (f", stopped: {result['stop_reason']}" if result["stop_reason"] else ""), flush=True)
+        return 0
+    except TrainingAborted as e:
+        print(f"aborted: {e}", file=sys.stderr, flush=True)
+        return 3
+    finally:
+        parallel.shutdown()
