@@ -96,3 +96,11 @@ def test_cli_shows_the_error_and_prints_config(tmp_path):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"nope.yaml: config file not found"):
         config.load(Run, tmp_path / "nope.yaml")
+
+
+def test_float_in_exponent_notation_without_dot(tmp_path):
+    """PyYAML reads `1e-3` as a string (YAML 1.1); a float key still takes it, an int key does not."""
+    p = _write(tmp_path, "optim: {lr: 1e-3}\n")
+    assert config.load(Run, p).optim.lr == 1e-3
+    with pytest.raises(ConfigError, match=r"key 'steps': expected int, got str '1e3'"):
+        config.load(Run, _write(tmp_path, "steps: 1e3\n"))
