@@ -11,7 +11,25 @@ import contextlib
 import os
 import sys
 
+from datatrove.executor.local import LocalPipelineExecutor
+
 from datapipe.config import ExecutorConfig
+
+
+class QuietLocalExecutor(LocalPipelineExecutor):
+    """datatrove prints a task's INFO logs on the console when its worker slot (local_rank) is 0, and
+    worker processes (forkserver) do not inherit `quiet_datatrove`'s patch; local_rank is used for
+    nothing but logging, so shifting it keeps every worker's console at ERROR. Full logs still go to
+    each stage's logging_dir."""
+
+    def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
+        from loguru import logger
+
+        try:
+            return super()._run_for_rank(rank, local_rank + 1, node_rank)
+        finally:  # datatrove re-adds a DEBUG console sink when a task ends; its "N/M tasks" lines follow
+            logger.remove()
+            logger.add(sys.stderr, level="WARNING")
 
 
 @contextlib.contextmanager
@@ -75,10 +93,11 @@ def task_bar(name: str, tasks: int, logging_dir: str, enabled: bool):
 def run_stage(ex: ExecutorConfig, name: str, pipeline: list, tasks: int, workers: int, logging_dir: str,
               verbose: bool = False, progress: bool = False) -> None:
     with quiet_datatrove(verbose), task_bar(name, tasks, logging_dir, progress):
-        _run_stage(ex, name, pipeline, tasks, workers, logging_dir)
+        _run_stage(ex, name, pipeline, tasks, workers, logging_dir, verbose)
 
 
-def _run_stage(ex: ExecutorConfig, name: str, pipeline: list, tasks: int, workers: int, logging_dir: str) -> None:
+def _run_stage(ex: ExecutorConfig, name: str, pipeline: list, tasks: int, workers: int, logging_dir: str,
+               verbose: bool = False) -> None:
     if ex.kind == "ray":
         ray = _import_ray()
         from datatrove.executor.ray import RayPipelineExecutor
@@ -89,10 +108,9 @@ def _run_stage(ex: ExecutorConfig, name: str, pipeline: list, tasks: int, worker
         RayPipelineExecutor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)), logging_dir=logging_dir,
                             cpus_per_task=ex.ray.cpus_per_task).run()
     else:
-        from datatrove.executor.local import LocalPipelineExecutor
-
-        LocalPipelineExecutor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)),
-                              logging_dir=logging_dir, skip_completed=True).run()
+        executor = LocalPipelineExecutor if verbose else QuietLocalExecutor
+        executor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)),
+                 logging_dir=logging_dir, skip_completed=True).run()
     _check_complete(name, logging_dir, tasks)
 
 

@@ -143,6 +143,7 @@ class DebugConfig:
 class TrainConfig:
     run_dir: str = "runs/default"    # resolved config, metrics.jsonl, tb/, checkpoints/ go here
     steps: int = 100                 # training steps (optimizer steps, skipped ones included)
+    stop_at: int | None = None       # stop cleanly (checkpoint saved) at this step; schedules still span `steps`
     seed: int = 1234                 # model seed; the data seed is data.seed (shared by DP ranks)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 weights/activations, fp32 master + grads
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -160,6 +161,8 @@ class TrainConfig:
         """Checks that need no world size; run on every load."""
         if self.steps < 1:
             raise ConfigError(f"key 'steps': must be >= 1, got {self.steps}")
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise ConfigError(f"key 'stop_at': must be between 1 and steps ({self.steps}), got {self.stop_at}")
         m, p = self.model.resolved(), self.parallel
         if p.tp > m.num_heads or m.num_heads % p.tp:
             raise ConfigError(f"key 'parallel.tp': {p.tp} must divide model.num_heads ({m.num_heads})")

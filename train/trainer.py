@@ -156,8 +156,10 @@ class Trainer:
                 if st.step % cfg.monitor.log_every == 0 or st.step == cfg.steps:
                     last = self._log(window)
                     window = []
-                if self.ckpt is not None:
-                    self.ckpt.maybe_save(st, force=self.stop_reason is not None)
+                if cfg.stop_at is not None and st.step >= cfg.stop_at and not self.stop_reason:
+                    self.stop_reason = f"stop_at {cfg.stop_at} reached"
+                if self.ckpt is not None:  # the last step and a clean stop always leave a checkpoint
+                    self.ckpt.maybe_save(st, force=self.stop_reason is not None or st.step == cfg.steps)
                 if self.stop_reason:
                     break
         finally:
@@ -202,6 +204,11 @@ def _checkpoint_manager(cfg: TrainConfig, run_dir: Path):
 
     meta = {"model": cfgmod.to_plain(cfg.model.resolved()), "precision": cfg.precision,
             "seq_len": cfg.data.seq_len, "padded_vocab_size": cfg.model.padded_vocab_size(cfg.parallel.tp)}
+    if cfg.data.dataset and not cfg.debug.synthetic_data:  # lets `train ckpt export` ship the tokenizer
+        from storage import fs
+        from storage.manifest import read_manifest
+
+        meta["tokenizer"] = fs.join(cfg.data.dataset, read_manifest(cfg.data.dataset).tokenizer.file)
     return CheckpointManager(cfg.checkpoint, str(run_dir), meta=meta)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import fsspec
 import torch
@@ -123,5 +122,7 @@ def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides:
         json.dump({"_from_model_config": True}, f)
     tok = tokenizer or (m.get("meta") or {}).get("tokenizer")
     if tok:
-        shutil.copyfile(tok, os.path.join(out_dir, "tokenizer.json"))
+        from storage.fs import atomic_write_bytes, read_bytes
+
+        atomic_write_bytes(os.path.join(out_dir, "tokenizer.json"), read_bytes(tok))
     return config

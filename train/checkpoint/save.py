@@ -118,14 +118,11 @@ class Saver:
         tmp = os.path.join(self.root, f".tmp-{layout.ckpt_name(step)}")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(os.path.join(tmp, "rng"))
+            os.makedirs(tmp)
         barrier()
         sd = state_io.sharded_state_dict(state, self.cfg.distrib_optim_sharding_type, is_loading=False)
         apply_factories(sd)
         staged = stage(sd)
-        torch.save(state_io.rng_state(), os.path.join(tmp, "rng", f"rank{self.rank:05d}.pt"))
-        if self.rank == 0:
-            torch.save(state_io.train_state_dict(state), os.path.join(tmp, "train_state.pt"))
         pieces = main_pieces(sd)
         new_base = snapshot(pieces) if kind == "full" else None
         if kind == "full":
@@ -133,6 +130,11 @@ class Saver:
         else:
             strategy = DeltaSaveStrategy(self.rank, base, self.cfg.compression_level)
         req = dist_checkpointing.save(sd, tmp, sharded_strategy=strategy, async_sharded_save=True)
+        # the small per-rank files go in after megatron has checked that the folder is empty
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        torch.save(state_io.rng_state(), os.path.join(tmp, "rng", f"rank{self.rank:05d}.pt"))
+        if self.rank == 0:
+            torch.save(state_io.train_state_dict(state), os.path.join(tmp, "train_state.pt"))
         future = self._writer.submit(_run_request, req, step)
         stall = time.perf_counter() - t0
         self.last_stall_s = stall

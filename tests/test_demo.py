@@ -1,0 +1,31 @@
+"""`make demo`'s script, shortened: build → TP=2 train with a stop and an auto-resume → HF export →
+generation → storage bench, all through the real CLIs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from testutil import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    res = subprocess.run([sys.executable, "-m", "tools.demo", "--out", str(out), "--steps", "30"], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    assert "resumed at step 20" in res.stdout + res.stderr
+    manifest = json.loads((out / "data" / "manifest.json").read_text())
+    assert len(manifest["sources"]) == 2 and len(manifest["mix"]) == 2
+    steps = [json.loads(line)["step"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert steps[-1] == 30 and 20 in steps
+    for f in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (out / "hf" / f).exists(), f
+    assert (out / "run" / "metrics.png").stat().st_size > 0
+    assert json.loads((out / "storage" / "bench.json").read_text())
+    assert "→" in res.stdout and "Outputs:" in res.stdout

@@ -1,0 +1,209 @@
+"""Checkpoint benchmark: our saves (train.checkpoint) vs plain megatron dist_checkpointing (torch_dist)
+and plain torch.distributed.checkpoint saves of the same state, in one process run.
+
+State: `--size-mb` MiB of fp32 parameters in `--tensors` tensors plus their AdamW moments (3x the bytes),
+updated by real AdamW steps on random gradients between saves. Per run (interleaved, median of --runs):
+  ours sync full      CheckpointManager(async_save=False): stage + write + checksums/fsync/rename
+  ours async full     the training-thread stall (maybe_save) and the time until committed
+  ours incremental    --steps-between AdamW steps after its base: stall, time, bytes vs full
+  megatron torch_dist dist_checkpointing.save (sync), no checksums
+  torch DCP           torch.distributed.checkpoint.save of the plain tensors
+  path seq write      storage.bench LocalEngine buffered sequential write (8 MiB, 1 thread, fsync)
+Appends a section to docs/benchmarks.md (unless --no-append).
+
+    python tools/bench/bench_checkpoint.py --dir /var/tmp --size-mb 64 --runs 5
+"""
+from train import cpu_compat
+
+cpu_compat.install()  # at import: megatron's async writer re-imports __main__ with spawn
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+
+class ToyState:
+    """Parameters + AdamW moments exposed as megatron ShardedTensors (one rank holds everything)."""
+
+    def __init__(self, size_mb: int, tensors: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        per = size_mb * (1 << 20) // 4 // tensors
+        self.params = [torch.nn.Parameter(torch.randn(per, generator=g) * 0.02) for _ in range(tensors)]
+        self.opt = torch.optim.AdamW(self.params, lr=3e-4, weight_decay=0.1)
+        self.gen = g
+        self.step(1)
+
+    def step(self, n: int) -> None:
+        for _ in range(n):
+            for p in self.params:
+                p.grad = torch.randn(p.shape, generator=self.gen) * 1e-2
+            self.opt.step()
+
+    def tensors(self) -> dict:
+        out = {}
+        for i, p in enumerate(self.params):
+            st = self.opt.state[p]
+            out[f"param.{i}"], out[f"exp_avg.{i}"], out[f"exp_avg_sq.{i}"] = p.data, st["exp_avg"], st["exp_avg_sq"]
+        return out
+
+    # the TrainState.model interface
+    def sharded_state_dict(self):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in self.tensors().items()}
+
+    def load_state_dict(self, sd, strict=True):
+        for k, v in self.tensors().items():
+            v.copy_(sd[k])
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def one_run(toy: ToyState, root: str, steps_between: int) -> dict:
+    from megatron.core import dist_checkpointing
+
+    from train.checkpoint import CheckpointConfig, CheckpointManager
+    from train.state import TrainState
+
+    r = {}
+    state = TrainState(model=[toy], optimizer=None, scheduler=None, loader=None)
+    # ours, sync full
+    d = tempfile.mkdtemp(dir=root)
+    mgr = CheckpointManager(CheckpointConfig(dir="c", full_every=1, incremental_every=0, async_save=False), d)
+    state.step = 1
+    t = time.perf_counter()
+    mgr.maybe_save(state)
+    r["sync_s"] = time.perf_counter() - t
+    mgr.close()
+    r["full_bytes"] = dir_bytes(os.path.join(d, "c", "step_00000001"))
+    shutil.rmtree(d)
+    # ours, async full, then incremental on it
+    d = tempfile.mkdtemp(dir=root)
+    mgr = CheckpointManager(CheckpointConfig(dir="c", full_every=0, incremental_every=1, keep_last=5), d)
+    t = time.perf_counter()
+    mgr.maybe_save(state)
+    r["async_stall_s"] = time.perf_counter() - t
+    mgr.wait()
+    r["async_total_s"] = time.perf_counter() - t
+    toy.step(steps_between)
+    state.step = 2
+    t = time.perf_counter()
+    mgr.maybe_save(state)
+    r["inc_stall_s"] = time.perf_counter() - t
+    mgr.wait()
+    r["inc_total_s"] = time.perf_counter() - t
+    mgr.close()
+    r["inc_bytes"] = dir_bytes(os.path.join(d, "c", "step_00000002"))
+    shutil.rmtree(d)
+    # megatron torch_dist, sync
+    d = tempfile.mkdtemp(dir=root)
+    t = time.perf_counter()
+    dist_checkpointing.save(toy.sharded_state_dict(), d)
+    r["mcore_s"] = time.perf_counter() - t
+    r["mcore_bytes"] = dir_bytes(d)
+    shutil.rmtree(d)
+    # torch DCP, sync
+    import torch.distributed.checkpoint as dcp
+    d = tempfile.mkdtemp(dir=root)
+    t = time.perf_counter()
+    dcp.save({k: v for k, v in toy.tensors().items()}, checkpoint_id=d)
+    r["dcp_s"] = time.perf_counter() - t
+    r["dcp_bytes"] = dir_bytes(d)
+    shutil.rmtree(d)
+    return r
+
+
+def seq_write_gib_s(root: str, size: int, duration: float) -> float:
+    from storage.bench.io import LocalEngine
+
+    eng = LocalEngine(os.path.join(root, "seqwrite.bin"), size)
+    try:
+        eng.prepare(direct=False)
+        return eng.seq_write(threads=1, io_size=8 << 20, mode="buffered", duration=duration).gib_per_s
+    finally:
+        eng.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
+    ap.add_argument("--size-mb", type=int, default=64, help="fp32 parameter MiB (state is 3x with AdamW moments)")
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--steps-between", type=int, default=10, help="AdamW steps between the base and the incremental")
+    ap.add_argument("--no-append", action="store_true")
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir)
+    load_before = os.getloadavg()[0]
+    toy = ToyState(args.size_mb, args.tensors)
+    runs = []
+    try:
+        for i in range(args.runs):
+            runs.append(one_run(toy, root, args.steps_between))
+            print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                           for k, v in runs[-1].items()), flush=True)
+        state_bytes = sum(v.numel() * 4 for v in toy.tensors().values())
+        seq = statistics.median(seq_write_gib_s(root, state_bytes, 2.0) for _ in range(3))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        dist.destroy_process_group()
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    gib = 1 << 30
+    rows = [
+        ("ours sync full (write+sha256+fsync+rename)", med["sync_s"], med["full_bytes"]),
+        ("ours async full: training stall", med["async_stall_s"], None),
+        ("ours async full: until committed", med["async_total_s"], med["full_bytes"]),
+        (f"ours incremental ({args.steps_between} AdamW steps after base): stall", med["inc_stall_s"], None),
+        ("ours incremental: until committed", med["inc_total_s"], med["inc_bytes"]),
+        ("megatron dist_checkpointing torch_dist (sync)", med["mcore_s"], med["mcore_bytes"]),
+        ("torch.distributed.checkpoint.save (sync)", med["dcp_s"], med["dcp_bytes"]),
+    ]
+    lines = ["| save | median s | bytes | GiB/s |", "|---|---|---|---|"]
+    for name, s, b in rows:
+        lines.append(f"| {name} | {s:.3f} | {b:,} | {b / gib / s:.3f} |" if b else f"| {name} | {s:.3f} | - | - |")
+    ratios = [
+        f"async stall / sync save: {med['async_stall_s'] / med['sync_s']:.3f} (issue goal <= 0.05)",
+        f"incremental bytes / full bytes: {med['inc_bytes'] / med['full_bytes']:.3f}",
+        f"incremental time / full async time: {med['inc_total_s'] / med['async_total_s']:.3f}",
+        (f"ours sync full / megatron torch_dist time: {med['sync_s'] / med['mcore_s']:.3f}; "
+         f"/ torch DCP: {med['sync_s'] / med['dcp_s']:.3f}"),
+        (f"ours sync write GiB/s / path sequential write ({seq:.3f} GiB/s): "
+         f"{med['full_bytes'] / gib / med['sync_s'] / seq:.3f} (issue goal >= 0.8)"),
+    ]
+    table = "\n".join(lines + [""] + [f"- {r}" for r in ratios])
+    print(table)
+    if not args.no_append:
+        cmd = "python tools/bench/bench_checkpoint.py " + " ".join(sys.argv[1:])
+        section = (
+            f"\n## Checkpoint save: ours (full, async, incremental) vs megatron torch_dist vs torch DCP "
+            f"({time.strftime('%Y-%m-%d')})\n\nCommand: `{cmd}`  \n"
+            f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"torch {torch.__version__}; target {args.dir}; 1-min load average {load_before:.1f} before, "
+            f"{os.getloadavg()[0]:.1f} after (other work was running).  \n"
+            f"State: {args.size_mb} MiB fp32 parameters in {args.tensors} tensors + AdamW exp_avg/exp_avg_sq = "
+            f"{state_bytes:,} tensor bytes, one process (world 1, gloo). Medians of {args.runs} interleaved runs; "
+            f"path sequential write = median of 3 storage.bench seq_write points (buffered, 8 MiB, 1 thread, "
+            f"fsync) on the same folder.\n\n{table}\n")
+        path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "benchmarks.md")
+        with open(path, "a") as f:
+            f.write(section)
+        print(f"appended to {os.path.normpath(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
