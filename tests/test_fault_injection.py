@@ -111,9 +111,12 @@ def test_build_and_train_survive_kill_9(tmp_path):
     port = ["--set", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}", "--nproc", "2"]
     fail = lambda: log.read_text()[-6000:]  # noqa: E731
 
-    # uninterrupted reference: build, then train
-    assert _run(build + [str(_build_config(tmp_path, inputs, ref_data))], log) == 0, fail()
-    reference_files = _dataset_files(ref_data)
+    # uninterrupted reference: build (at the same output path as the faulty build: the path is part of
+    # the recorded config), then train
+    config = _build_config(tmp_path, inputs, data)
+    assert _run(build + [str(config)], log) == 0, fail()
+    reference_files = _dataset_files(data)
+    data.rename(ref_data)
     assert any(k.endswith(".tar") for k in reference_files) and "manifest.json" in reference_files
     ref_run = tmp_path / "ref-run"
     assert _run([str(BIN / "train"), "launch", str(_train_config(tmp_path, ref_run, ref_data)), *port], log) == 0, fail()
@@ -123,7 +126,6 @@ def test_build_and_train_survive_kill_9(tmp_path):
     # the build, killed once in a stage drawn from the seed, then rerun
     stage = rng.choice(["filter", "signatures", "buckets", "tokenizer", "tokenize", "shards"])
     marker = data / "_work" / "logs" / stage / "completions"
-    config = _build_config(tmp_path, inputs, data)
     killed = _run(build + [str(config)], log, kill_when=lambda: marker.exists() and any(marker.iterdir()))
     assert killed == "killed", f"the build finished before stage {stage} could be killed"
     assert not (data / "manifest.json").exists()
