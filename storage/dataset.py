@@ -7,7 +7,8 @@ import numpy as np
 
 from storage import fs
 from storage.manifest import Manifest, ShardInfo, SourceInfo, read_manifest
-from storage.shards import ShardReader, ShardWriter, parse_dtype
+from storage.shard_writer import ShardWriter
+from storage.shards import ShardReader, parse_dtype
 
 
 def shard_relpath(source: str, index: int) -> str:

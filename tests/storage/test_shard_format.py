@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from storage import fs
 from storage.dataset import Dataset
-from storage.shards import ShardError, ShardReader, ShardWriter, iter_shard, scan_index
+from storage.shard_writer import ShardWriter
+from storage.shards import ShardError, ShardReader, iter_shard, scan_index
 
 from testutil import REPO, write_random_dataset
 
@@ -217,7 +218,7 @@ def test_interrupted_write_leaves_no_final_file(tmp_path):
     code = textwrap.dedent(f"""
         import sys, time, numpy as np
         sys.path.insert(0, {str(REPO)!r})
-        from storage.shards import ShardWriter
+        from storage.shard_writer import ShardWriter
         w = ShardWriter({str(target)!r}, "uint16", "web")
         rng = np.random.default_rng(0)
         for i in range(10**6):

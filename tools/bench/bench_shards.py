@@ -23,7 +23,8 @@ import lz4.frame
 import numpy as np
 import webdataset as wds
 
-from storage.shards import ShardReader, ShardWriter, encode_tokens, iter_shard
+from storage.shard_writer import ShardWriter
+from storage.shards import ShardReader, encode_tokens, iter_shard
 
 CORPORA = Path(__file__).resolve().parents[2].parent / "shared" / "corpora"
 BLOCK_TOKENS = 262_144

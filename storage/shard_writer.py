@@ -1,0 +1,133 @@
+"""Writes one shard of format v1 (see `storage.shards`) and its DALI-style index, atomically."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from typing import BinaryIO
+
+import numpy as np
+import xxhash
+
+from storage import fs
+from storage.shards import (FORMAT_VERSION, INDEX_SUFFIX, META_EXT, TAR_BLOCK, TOKENS_EXT, IndexEntry,
+                            encode_tokens, parse_dtype)
+
+
+class _HashingWriter(io.RawIOBase):
+    def __init__(self, f: BinaryIO):
+        self.f, self.sha, self.pos = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        self.sha.update(b)
+        self.f.write(b)
+        self.pos += len(b)
+        return len(b)
+
+    def tell(self) -> int:
+        return self.pos
+
+
+def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.mode, ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = size, 0o644, 0, 0, 0, "", ""
+    return ti
+
+
+class ShardWriter:
+    """Writes one shard and its index under temporary names; `close()` publishes both atomically.
+
+    Output bytes depend only on the blocks added (fixed mtime/owner), so builds are reproducible.
+    """
+
+    def __init__(self, url: str, dtype: np.dtype | str, source: str, compression_level: int = 0):
+        self.url, self.source, self.compression_level = url, source, compression_level
+        self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+        self.stem = os.path.basename(url).split(".")[0]
+        self.local = fs.is_local(url)
+        if self.local:
+            path = fs.local_path(url)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._tmp = fs.tmp_name(path)
+            self._file: BinaryIO = open(self._tmp, "wb")
+        else:
+            self._file = io.BytesIO()
+        self._hw = _HashingWriter(self._file)
+        self._tar = tarfile.open(fileobj=self._hw, mode="w", format=tarfile.USTAR_FORMAT)  # type: ignore
+        self.entries: list[IndexEntry] = []
+        self.block_tokens: list[int] = []
+        self.documents = self.tokens = 0
+        self._closed = False
+
+    def add_block(self, tokens: np.ndarray, doc_ids: list[str], offsets: list[int]) -> str:
+        n = int(len(tokens))
+        if len(offsets) != len(doc_ids) + 1 or offsets[0] != 0 or offsets[-1] != n:
+            raise ValueError(f"offsets must have len(doc_ids)+1 entries from 0 to {n}")
+        key = f"{self.stem}_{len(self.entries):06d}"
+        payload = encode_tokens(tokens, self.dtype, self.compression_level)
+        meta = json.dumps({"format": FORMAT_VERSION, "source": self.source, "dtype": self.dtype.name,
+                           "n_tokens": n, "xxh3_64": xxhash.xxh3_64_hexdigest(payload),
+                           "doc_ids": [str(d) for d in doc_ids],
+                           "offsets": [int(o) for o in offsets]}, separators=(",", ":")).encode()
+        t_off = self._hw.tell()
+        self._tar.addfile(_tarinfo(f"{key}.{TOKENS_EXT}", len(payload)), io.BytesIO(payload))
+        m_off = self._hw.tell()
+        self._tar.addfile(_tarinfo(f"{key}.{META_EXT}", len(meta)), io.BytesIO(meta))
+        self.entries.append(IndexEntry(key, t_off, len(payload), m_off, len(meta)))
+        self.block_tokens.append(n)
+        self.documents += len(doc_ids)
+        self.tokens += n
+        return key
+
+    @property
+    def bytes_written(self) -> int:
+        return self._hw.tell()
+
+    def index_text(self) -> str:
+        lines = [f"v1.2 {len(self.entries)}"]
+        for e in self.entries:
+            # DALI's v1.2 index holds data offsets; IndexEntry keeps header offsets (one block before).
+            lines.append(f"{TOKENS_EXT} {e.tokens_offset + TAR_BLOCK} {e.tokens_size} {e.key}.{TOKENS_EXT} "
+                         f"{META_EXT} {e.meta_offset + TAR_BLOCK} {e.meta_size} {e.key}.{META_EXT}")
+        return "\n".join(lines) + "\n"
+
+    def close(self) -> dict:
+        """Finish the tar, publish index then shard, and return the manifest's record of it."""
+        if self._closed:
+            raise RuntimeError(f"{self.url}: shard already closed")
+        if not self.entries:
+            self.abort()
+            raise ValueError(f"{self.url}: refusing to write an empty shard")
+        self._tar.close()
+        self._closed = True
+        size, digest = self._hw.tell(), self._hw.sha.hexdigest()
+        fs.atomic_write_bytes(self.url + INDEX_SUFFIX, self.index_text().encode())
+        if self.local:
+            self._file.close()
+            fs.commit_local(self._tmp, fs.local_path(self.url))
+        else:
+            fs.atomic_write_bytes(self.url, self._file.getvalue())  # type: ignore[attr-defined]
+        return {"sha256": digest, "bytes": size, "blocks": len(self.entries),
+                "documents": self.documents, "tokens": self.tokens, "block_tokens": list(self.block_tokens)}
+
+    def abort(self) -> None:
+        self._closed = True
+        self._file.close()
+        if self.local and os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._closed:
+            self.close()
+
+
