@@ -6,15 +6,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from testutil import free_port, read_corpus
+from testutil import free_port, metric_records, read_corpus, run_killable
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -58,29 +55,6 @@ def _train_config(tmp: Path, run_dir: Path, dataset: Path) -> Path:
     return path
 
 
-def _run(cmd: list[str], log: Path, kill_when=None, timeout: float = 400) -> str | int:
-    """Run cmd in its own process group; kill_when() → True: kill -9 the whole group ("killed")."""
-    with open(log, "a") as out:
-        out.write(f"\n$ {' '.join(cmd)}\n")
-        out.flush()
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-        try:
-            deadline = time.time() + timeout
-            while p.poll() is None and time.time() < deadline:
-                if kill_when is not None and kill_when():
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                    return "killed"
-                time.sleep(0.01)
-            return p.wait(timeout=1)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def _dataset_files(root: Path) -> dict[str, bytes]:
     """Everything a trainer reads (shards, indexes, tokenizer, manifest); not logs or timing reports."""
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
@@ -90,16 +64,7 @@ def _dataset_files(root: Path) -> dict[str, bytes]:
 
 def _trace(run_dir: Path) -> dict[int, tuple]:
     """step → (loss, grad_norm, consumed_tokens), the last record of each step (re-run steps overwrite)."""
-    out = {}
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:  # a killed run's last line may be cut
-            continue
-        if "loss" in r:
-            out[r["step"]] = (r["loss"], r["grad_norm"], r["consumed_tokens"])
-    return out
+    return {r["step"]: (r["loss"], r["grad_norm"], r["consumed_tokens"]) for r in metric_records(run_dir)}
 
 
 def test_build_and_train_survive_kill_9(tmp_path):
@@ -114,22 +79,22 @@ def test_build_and_train_survive_kill_9(tmp_path):
     # uninterrupted reference: build (at the same output path as the faulty build: the path is part of
     # the recorded config), then train
     config = _build_config(tmp_path, inputs, data)
-    assert _run(build + [str(config)], log) == 0, fail()
+    assert run_killable(build + [str(config)], log) == 0, fail()
     reference_files = _dataset_files(data)
     data.rename(ref_data)
     assert any(k.endswith(".tar") for k in reference_files) and "manifest.json" in reference_files
     ref_run = tmp_path / "ref-run"
-    assert _run([str(BIN / "train"), "launch", str(_train_config(tmp_path, ref_run, ref_data)), *port], log) == 0, fail()
+    assert run_killable([str(BIN / "train"), "launch", str(_train_config(tmp_path, ref_run, ref_data)), *port], log) == 0, fail()
     reference_trace = _trace(ref_run)
     assert sorted(reference_trace) == list(range(1, STEPS + 1))
 
     # the build, killed once in a stage drawn from the seed, then rerun
     stage = rng.choice(["filter", "signatures", "buckets", "tokenizer", "tokenize", "shards"])
     marker = data / "_work" / "logs" / stage / "completions"
-    killed = _run(build + [str(config)], log, kill_when=lambda: marker.exists() and any(marker.iterdir()))
+    killed = run_killable(build + [str(config)], log, kill_when=lambda: marker.exists() and any(marker.iterdir()))
     assert killed == "killed", f"the build finished before stage {stage} could be killed"
     assert not (data / "manifest.json").exists()
-    assert _run(build + [str(config)], log) == 0, fail()
+    assert run_killable(build + [str(config)], log) == 0, fail()
     assert _dataset_files(data) == reference_files, f"shards differ after a kill in stage {stage}"
 
     # training, killed at a step drawn from the seed, then again while a checkpoint is being written
@@ -139,10 +104,10 @@ def test_build_and_train_survive_kill_9(tmp_path):
     writing = lambda: ckpt.exists() and any(n.startswith(".tmp-step") for n in os.listdir(ckpt))  # noqa: E731
     first, second = rng.randint(3, 6), rng.randint(9, 12)
     at_step = lambda k: max(_trace(run), default=0) >= k  # noqa: E731
-    assert _run(train, log, kill_when=lambda: at_step(first)) == "killed"
-    assert _run(train, log, kill_when=lambda: at_step(second) and writing()) == "killed", \
+    assert run_killable(train, log, kill_when=lambda: at_step(first)) == "killed"
+    assert run_killable(train, log, kill_when=lambda: at_step(second) and writing()) == "killed", \
         "no checkpoint write was caught in flight"
-    assert _run(train, log) == 0, fail()
+    assert run_killable(train, log) == 0, fail()
     assert "resumed at step" in log.read_text()
     assert _trace(run) == reference_trace
     assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]

@@ -3,17 +3,13 @@ dataset): kill -9 the run at a random point, relaunch, and the loss / grad-norm 
 auto-resume is bit-identical to an uninterrupted run."""
 from __future__ import annotations
 
-import json
 import os
 import random
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import yaml
-from testutil import free_port, write_random_dataset
+from testutil import free_port, metric_records, run_killable, write_random_dataset
 
 pytestmark = pytest.mark.slow
 TRAIN = os.path.join(os.path.dirname(sys.executable), "train")
@@ -36,40 +32,11 @@ def _config(tmp_path, run_dir, dataset):
 
 def _launch(cfg_path, log_path, kill_when=None):
     """`train launch --nproc 2`; kill_when(): called while it runs, True → kill -9 the whole run."""
-    with open(log_path, "a") as out:
-        p = subprocess.Popen([TRAIN, "launch", str(cfg_path), "--nproc", "2",
-                              "--set", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}"],
-                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-        try:
-            deadline = time.time() + 300
-            while p.poll() is None and time.time() < deadline:
-                if kill_when is not None and kill_when():
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                    return "killed"
-                time.sleep(0.02)
-            return p.wait(timeout=1)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # leftovers of ours (writer helpers) after a kill
-            except ProcessLookupError:
-                pass
+    return run_killable([TRAIN, "launch", str(cfg_path), "--nproc", "2",
+                         "--set", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}"], log_path, kill_when, timeout=300)
 
 
-def _records(run_dir):
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:  # the last line of a killed run may be cut
-            continue
-        if "loss" in r:
-            out.append(r)
-    return out
+_records = metric_records
 
 
 def test_kill_9_and_auto_resume_is_bit_identical(tmp_path):

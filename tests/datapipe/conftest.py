@@ -1,14 +1,9 @@
-"""Fixtures for the datapipe tests; makes datapipe_testlib importable."""
+"""Fixtures for the datapipe tests."""
 from __future__ import annotations
-
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from datapipe_testlib import read_corpus
+from testutil import read_corpus
 
 
 @pytest.fixture(scope="session")

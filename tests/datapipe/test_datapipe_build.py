@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from datapipe_testlib import read_corpus, write_jsonl
+from testutil import read_corpus, write_jsonl
 
 from datapipe.config import BuildConfig, FilterSpec, ShardsConfig, SourceConfig, TokenizerConfig
 from datapipe.pipeline import Build

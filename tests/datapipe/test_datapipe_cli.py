@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from datapipe_testlib import read_corpus, write_jsonl
+from testutil import read_corpus, write_jsonl
 
 from datapipe.cli import main
 from datapipe.config import BuildConfig, MixConfig, PhaseSpec, SourceConfig, TokenizerConfig

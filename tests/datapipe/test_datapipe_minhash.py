@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from datapipe_testlib import corpus_path, read_corpus
+from testutil import corpus_path, read_corpus
 
 from datapipe.config import BuildConfig, MinhashSettings, SourceConfig, TokenizerConfig
 from datapipe.dedup.minhash import FastMinhashSignature, minhash_config

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from datapipe_testlib import read_corpus, write_jsonl
+from testutil import read_corpus, write_jsonl
 
 
 def _files(root: Path) -> dict[str, bytes]:

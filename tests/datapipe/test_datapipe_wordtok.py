@@ -4,7 +4,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from datapipe_testlib import read_corpus
+from testutil import read_corpus
 from datatrove.data import Document
 from datatrove.pipeline.filters import GopherRepetitionFilter
 
