@@ -46,7 +46,7 @@ class BlockStore:
         (optional) replaces ShardReader.read_raw, e.g. with DALI's."""
         self.refs, self.block_tokens, self.itemsize = refs, block_tokens, itemsize
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smoltrain-prefetch")
-        self._read_raw = reader or (lambda sh, k: sh.read_raw(k))
+        self._read_raw = reader or (lambda sh, k: sh.read_raw(k, zero_copy=True))
         self.max_bytes = max_bytes
         self._entries: dict[BlockId, _Entry] = {}
         self._idle: OrderedDict[BlockId, None] = OrderedDict()  # cached, unreferenced blocks, LRU first
@@ -133,6 +133,7 @@ class BlockStore:
             self.bytes_read += len(payload) + len(meta) + 2 * TAR_BLOCK
             self.blocks_read += 1
         block = decode_block(sh.url, entry.key, payload, meta, entry.tokens_offset)
+        sh.release(k)
         want = int(self.block_tokens[s][b])
         if len(block.tokens) != want:
             raise ShardError(sh.url, f"block has {len(block.tokens)} tokens, the manifest says {want}",

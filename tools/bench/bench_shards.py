@@ -90,9 +90,11 @@ def main() -> None:
     payloads = [reader.read_raw(k)[0] for k in range(len(reader))]
     compressed = sum(len(p) for p in payloads)
 
-    def read_ours():
-        for k in range(len(reader)):
-            reader.read_block(k)
+    def read_ours():  # a fresh reader (new memory map) each run, so first-touch page faults are counted
+        fresh = ShardReader(ours, reader.index)
+        for k in range(len(fresh)):
+            fresh.read_block(k)
+        fresh.close()
 
     def read_ours_sequential():
         for _ in iter_shard(ours):
