@@ -80,7 +80,7 @@ def test_resume_from_incremental_is_bit_exact_and_broken_ones_are_skipped(refere
     (ckpt / "step_00000008" / "common.pt").unlink()
     got = run_worker(tmp_path, 10, extra=["--distopt", "--resume"])
     assert got["resumed"] and got["start"] == 6  # step_6 is incremental on step_4
-    assert "step_00000010/delta/rank00000.bin: sha256 mismatch" in got["skipped"][0]
+    assert "step_00000010/delta/rank00000.bin: checksum mismatch" in got["skipped"][0]
     assert "step_00000008/common.pt: file is missing" in got["skipped"][1]
     assert_same_trace(got, ref, 7)  # loss, grad norm and loader position
 

@@ -105,7 +105,7 @@ def test_commit_is_atomic_and_verify_finds_flips_truncation_and_missing_files(tm
     assert layout.read_latest(LOCAL, str(tmp_path)) == "step_00000004"
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
     m = json.loads((tmp_path / "step_00000004" / "manifest.json").read_text())
-    assert m["files"]["sub/data.bin"]["size"] == 1001 and len(m["files"]["sub/data.bin"]["sha256"]) == 64
+    assert m["files"]["sub/data.bin"]["size"] == 1001 and len(m["files"]["sub/data.bin"]["xxh3_128"]) == 32
     assert layout.verify(LOCAL, str(tmp_path), "step_00000004") == []
     data = tmp_path / "step_00000002" / "sub" / "data.bin"
     raw = bytearray(data.read_bytes())
@@ -113,7 +113,7 @@ def test_commit_is_atomic_and_verify_finds_flips_truncation_and_missing_files(tm
     data.write_bytes(raw)
     problems = layout.verify(LOCAL, str(tmp_path), "step_00000004")
     assert problems == [(f"{tmp_path}/step_00000004: base step_00000002 does not verify: "
-                        f"{tmp_path}/step_00000002/sub/data.bin: sha256 mismatch (corrupted)")]
+                        f"{tmp_path}/step_00000002/sub/data.bin: checksum mismatch (corrupted)")]
     assert layout.verify(LOCAL, str(tmp_path), "step_00000004", checksums=False) == []
     data.write_bytes(raw[:100])
     assert "truncated" in layout.verify(LOCAL, str(tmp_path), "step_00000002")[0]

@@ -164,7 +164,7 @@ def main() -> int:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     gib = 1 << 30
     rows = [
-        ("ours sync full (write+sha256+fsync+rename)", med["sync_s"], med["full_bytes"]),
+        ("ours sync full (write+xxh3+fsync+rename)", med["sync_s"], med["full_bytes"]),
         ("ours async full: training stall", med["async_stall_s"], None),
         ("ours async full: until committed", med["async_total_s"], med["full_bytes"]),
         (f"ours incremental ({args.steps_between} AdamW steps after base): stall", med["inc_stall_s"], None),

@@ -5,7 +5,7 @@
   the newest full checkpoint (their base) and reference it (`incremental.py`, `strategies.py`).
 - Saves are asynchronous: training waits only for the host copy; a background thread writes; the next
   save or `wait()` finalizes (`save.py`).
-- Every checkpoint is written under `.tmp-…`, checksummed (sha256 per file in manifest.json), fsynced,
+- Every checkpoint is written under `.tmp-…`, checksummed (XXH3-128 per file in manifest.json), fsynced,
   renamed, and then `latest` moves (`layout.py`); resume takes the newest one that verifies (`resume.py`).
 - Retention keeps the newest k, every K-th full one and the bases they need (`retention.py`); offload
   copies to an fsspec URL and deletes local copies only after the remote verifies (`offload.py`).

@@ -46,7 +46,7 @@ def list_cmd(root: str) -> None:
 @ckpt.command("verify")
 @click.argument("root")
 @click.argument("names", nargs=-1)
-@click.option("--sizes-only", is_flag=True, help="Check presence and sizes, skip sha256.")
+@click.option("--sizes-only", is_flag=True, help="Check presence and sizes, skip checksums.")
 def verify_cmd(root: str, names: tuple[str, ...], sizes_only: bool) -> None:
     """Verify checksums of NAMES (default: every checkpoint under ROOT, with their bases). Exit 1 if any fails."""
     fs, path = get_fs(root)
