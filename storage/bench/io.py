@@ -13,7 +13,9 @@ import ctypes
 import errno
 import mmap
 import os
+import pickle
 import resource
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -100,6 +102,66 @@ def run_threads(n: int, work: Work, duration: float) -> tuple[int, list[int], fl
     nbytes = sum(r[0] for r in out if r)
     lats = [x for r in out if r for x in r[1]]
     return nbytes, lats, seconds, CpuUse(cpu, min(1.0, sum(waits) / 1e9 / n / max(seconds, 1e-9)))
+
+
+def run_forked(n: int, work: Work, duration: float, procs: int) -> tuple[int, list[int], float, CpuUse]:
+    """run_threads with the n threads spread over `procs` forked processes (thread ids stay global).
+
+    One Python process runs out of interpreter time (the GIL) long before a fast device runs out of
+    IOPS; fio's jobs are separate workers too. Ctrl-C kills the children and re-raises."""
+    procs = max(1, min(procs, n))
+    if procs == 1:
+        return run_threads(n, work, duration)
+    shares = [n // procs + (1 if p < n % procs else 0) for p in range(procs)]
+    kids: list[tuple[int, int]] = []
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        first = 0
+        for share in shares:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # child: run its share, send (bytes, latencies, seconds, wait) or the error back
+                code = 1
+                try:
+                    os.close(r)
+                    base = first
+                    nbytes, lats, secs, cpu = run_threads(share, lambda i, d, s: work(base + i, d, s), duration)
+                    msg = pickle.dumps(("ok", nbytes, np.asarray(lats, np.int64).tobytes(), secs, cpu.wait))
+                    code = 0
+                except BaseException as e:  # noqa: BLE001 - reported to the parent
+                    msg = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+                finally:
+                    try:
+                        with os.fdopen(w, "wb") as f:
+                            f.write(msg)
+                    finally:
+                        os._exit(code)
+            os.close(w)
+            kids.append((pid, r))
+            first += share
+        results = []
+        for pid, r in kids:
+            with os.fdopen(r, "rb") as f:
+                data = f.read()
+            os.waitpid(pid, 0)
+            results.append(pickle.loads(data) if data else ("error", f"worker {pid} died"))
+        kids = []
+    except BaseException:
+        for pid, _ in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        raise
+    for res in results:
+        if res[0] == "error":
+            raise OSError(res[1])
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
+    lats = [x for res in results for x in np.frombuffer(res[2], np.int64).tolist()]
+    waits = sum(res[4] * share for res, share in zip(results, shares)) / n
+    return sum(res[1] for res in results), lats, max(res[3] for res in results), CpuUse(cpu, waits)
 
 
 def _runqueue_wait_ns() -> int:
@@ -285,7 +347,7 @@ class LocalEngine:
                         break
                 return len(lats) * io_size, lats
 
-            nbytes, lats, secs, cpu = run_threads(threads, work, duration)
+            nbytes, lats, secs, cpu = run_forked(threads, work, duration, len(os.sched_getaffinity(0)))
         finally:
             os.close(fd)  # the buffers go with their last reference (a stopping thread may still hold one)
         pt = make_point(test, mode, threads, io_size, nbytes, lats, secs, resident, cpu)
