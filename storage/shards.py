@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import mmap
 import os
 import tarfile
@@ -22,6 +21,7 @@ from typing import BinaryIO, Iterator
 
 import lz4.frame
 import numpy as np
+import orjson
 import xxhash
 
 from storage import fs
@@ -140,11 +140,11 @@ def decode_block(shard: str, key: str, payload: bytes | memoryview, meta_bytes: 
     """Check and decode one block; `verify=False` skips the xxh3 check (the LZ4 decoder still runs)."""
     member = f"{key}.{TOKENS_EXT}"
     try:
-        meta = json.loads(bytes(meta_bytes))
+        meta = orjson.loads(meta_bytes)
         dtype = parse_dtype(meta["dtype"])
         doc_ids, offsets, n = meta["doc_ids"], meta["offsets"], int(meta["n_tokens"])
         digest = meta["xxh3_64"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # orjson.JSONDecodeError is a ValueError
         raise ShardError(shard, f"bad block metadata: {e}", f"{key}.{META_EXT}") from None
     if verify and xxhash.xxh3_64_hexdigest(payload) != digest:
         raise ShardError(shard, f"checksum mismatch: xxh3_64 of the LZ4 frame is not {digest} (corrupt block)",
