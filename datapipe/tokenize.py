@@ -17,6 +17,7 @@ from datatrove.pipeline.base import PipelineStep
 from datapipe.workfiles import atomic_json, atomic_npy, read_json
 from storage.dataset import SourceWriter
 from storage.manifest import SourceInfo, TokenizerInfo
+from storage.shards import dtype_for_vocab
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str, out_path: str) -> str:
@@ -75,11 +76,7 @@ def tokenizer_info(path: str, eos_token: str) -> TokenizerInfo:
     with open(path, "rb") as f:
         sha = hashlib.sha256(f.read()).hexdigest()
     return TokenizerInfo(file=os.path.basename(path), sha256=sha, vocab_size=vocab, eos_id=eos,
-                         dtype=_dtype_name(vocab))
-
-
-def _dtype_name(vocab: int) -> str:
-    return "uint16" if vocab <= 65536 else "uint32"
+                         dtype=dtype_for_vocab(vocab).name)
 
 
 class TokenizeStep(PipelineStep):
@@ -102,7 +99,7 @@ class TokenizeStep(PipelineStep):
             self._tok = load_tokenizer(self.tokenizer_path)
         tok = self._tok
         eos = tok.token_to_id(self.eos_token)
-        dtype = np.uint16 if tok.get_vocab_size(with_added_tokens=True) <= 65536 else np.uint32
+        dtype = dtype_for_vocab(tok.get_vocab_size(with_added_tokens=True))
         chunks, ids, lengths = [], [], []
         batch = []
 

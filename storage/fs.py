@@ -123,10 +123,3 @@ def exists(url: str) -> bool:
         return os.path.exists(local_path(url))
     fs, path = get_fs(url)
     return fs.exists(path)
-
-
-def size_of(url: str) -> int:
-    if is_local(url):
-        return os.path.getsize(local_path(url))
-    fs, path = get_fs(url)
-    return int(fs.size(path))
