@@ -13,6 +13,7 @@ import hashlib
 import io
 import mmap
 import os
+import re
 import tarfile
 import threading
 import weakref
@@ -22,9 +23,8 @@ from typing import BinaryIO, Iterator
 import lz4.frame
 import numpy as np
 import orjson
-import xxhash
 
-from storage import fs
+from storage import codec, fs
 
 FORMAT_VERSION = 1
 TOKENS_EXT = "tokens.lz4"
@@ -135,29 +135,68 @@ def check_member(shard: str, ti: tarfile.TarInfo, offset: int) -> None:
         raise ShardError(shard, "unsafe member: shard members must not contain directories", name, offset)
 
 
-def decode_block(shard: str, key: str, payload: bytes | memoryview, meta_bytes: bytes | memoryview, offset: int,
-                 verify: bool = True) -> Block:
-    """Check and decode one block; `verify=False` skips the xxh3 check (the LZ4 decoder still runs)."""
+_HEAD = re.compile(rb'"dtype":"(uint16|uint32)","n_tokens":(\d+),"xxh3_64":"([0-9a-f]{16})"')
+
+
+def _checked_tokens(shard: str, key: str, payload, dtype: np.dtype, n: int, digest: str, offset: int, verify: bool,
+                    out: np.ndarray | None) -> np.ndarray:
     member = f"{key}.{TOKENS_EXT}"
+    if verify and codec.xxh3_64(payload) != int(digest, 16):
+        raise ShardError(shard, f"checksum mismatch: xxh3_64 of the LZ4 frame is not {digest} (corrupt block)",
+                         member, offset)
+    if out is not None and (out.dtype != dtype or len(out) < n):
+        raise ShardError(shard, f"block holds {n} {dtype.name} tokens; expected at most {len(out)} {out.dtype.name} "
+                         "(the dataset's dtype and largest block)", f"{key}.{META_EXT}")
+    try:
+        if out is None:
+            raw = lz4.frame.decompress(payload)
+            size = len(raw)
+        else:
+            size = codec.decompress_into(payload, out)
+    except (RuntimeError, codec.FrameError) as e:
+        raise ShardError(shard, f"LZ4 frame does not decode ({e})", member, offset) from None
+    if size != n * dtype.itemsize:
+        raise ShardError(shard, f"decoded {size} bytes, metadata says {n} {dtype.name} tokens", member, offset)
+    return np.frombuffer(raw, dtype=dtype) if out is None else out[:n]
+
+
+def _parse_meta(shard: str, key: str, meta_bytes) -> tuple[dict, np.dtype, int, str]:
+    """(the JSON member, token dtype, token count, xxh3_64 hex digest), all checked."""
     try:
         meta = orjson.loads(meta_bytes)
         dtype = parse_dtype(meta["dtype"])
         doc_ids, offsets, n = meta["doc_ids"], meta["offsets"], int(meta["n_tokens"])
         digest = meta["xxh3_64"]
+        int(digest, 16)
     except (ValueError, KeyError, TypeError) as e:  # orjson.JSONDecodeError is a ValueError
         raise ShardError(shard, f"bad block metadata: {e}", f"{key}.{META_EXT}") from None
-    if verify and xxhash.xxh3_64_hexdigest(payload) != digest:
-        raise ShardError(shard, f"checksum mismatch: xxh3_64 of the LZ4 frame is not {digest} (corrupt block)",
-                         member, offset)
-    try:
-        raw = lz4.frame.decompress(payload)
-    except RuntimeError as e:
-        raise ShardError(shard, f"LZ4 frame does not decode ({e})", member, offset) from None
-    if len(raw) != n * dtype.itemsize:
-        raise ShardError(shard, f"decoded {len(raw)} bytes, metadata says {n} {dtype.name} tokens", member, offset)
     if len(offsets) != len(doc_ids) + 1 or (offsets and (offsets[0] != 0 or offsets[-1] != n)):
         raise ShardError(shard, "document offsets do not match the token count", f"{key}.{META_EXT}")
-    return Block(key, np.frombuffer(raw, dtype=dtype), doc_ids, offsets, meta.get("source", ""))
+    return meta, dtype, n, digest
+
+
+def decode_block(shard: str, key: str, payload: bytes | memoryview, meta_bytes: bytes | memoryview, offset: int,
+                 verify: bool = True) -> Block:
+    """Check and decode one block; `verify=False` skips the xxh3 check (the LZ4 decoder still runs)."""
+    meta, dtype, n, digest = _parse_meta(shard, key, meta_bytes)
+    tokens = _checked_tokens(shard, key, payload, dtype, n, digest, offset, verify, None)
+    return Block(key, tokens, meta["doc_ids"], meta["offsets"], meta.get("source", ""))
+
+
+def decode_tokens(shard: str, key: str, payload: bytes | memoryview, meta_bytes: bytes | memoryview, offset: int,
+                  out: np.ndarray) -> np.ndarray:
+    """The streaming loader's path: check and decode one block's tokens into `out` (C-contiguous, of the
+    block's dtype, long enough); returns the view of `out` that holds them.
+
+    Only dtype, n_tokens and xxh3_64 are needed. The writer puts them first in the JSON member, so they
+    come from its first bytes without parsing the document lists (which cost about as much as the
+    checksum); JSON in another layout takes the full parse."""
+    head = _HEAD.search(bytes(meta_bytes[:256]))
+    if head is None:
+        _, dtype, n, digest = _parse_meta(shard, key, meta_bytes)
+    else:
+        dtype, n, digest = parse_dtype(head[1].decode()), int(head[2]), head[3].decode()
+    return _checked_tokens(shard, key, payload, dtype, n, digest, offset, True, out)
 
 
 class _HashingReader(io.RawIOBase):

@@ -14,7 +14,7 @@ class LoaderConfig:
     seed: int = 1234                     # seeds block permutations and window shuffles
     shuffle_window: int = 4096           # sequences of one source shuffled together (per epoch)
     prefetch_threads: int = 8            # threads that read + verify + LZ4-decode blocks
-    prefetch_batches: int = 4            # batches planned (blocks requested) ahead of the one being built
+    prefetch_batches: int = 32           # batches planned (blocks requested) ahead of the one being built
     max_bytes_in_flight: int = 512 << 20  # compressed + decoded block bytes the prefetcher may hold
     corruption: Literal["error", "quarantine"] = "error"
     max_substitutes: int = 8             # quarantine: epochs searched for a clean stand-in sequence

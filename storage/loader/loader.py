@@ -25,7 +25,7 @@ from storage.loader.buffers import CudaStager, Failure, TwoSlotQueue
 from storage.loader.config import LoaderConfig
 from storage.loader.order import SourceOrder
 from storage.loader.pack import Packer, Plan, acquire, plan, release
-from storage.loader.prefetch import BlockStore
+from storage.loader.prefetch import BlockStore, split_id
 from storage.manifest import Manifest, Phase, validate_mix
 from storage.shards import TAR_BLOCK, ShardReader, parse_dtype
 
@@ -109,6 +109,7 @@ class TokenLoader:
         self._stop = threading.Event()
         self._buf = TwoSlotQueue(2)
         self._planned: deque[Plan] = deque()
+        self._frontier = [-1] * len(self.sources)  # per source: the highest cursor planned (acquired) so far
         self._m = {"wait_s": 0.0, "sequences": 0, "t0": None}
 
     def window_bytes(self) -> int:
@@ -134,6 +135,7 @@ class TokenLoader:
     def _start(self) -> None:
         self.consumed += self._yielded * self.batch_stride * self.G
         self._yielded = 0
+        self._frontier = [-1] * len(self.sources)
         self._stop.clear()
         self._thread = threading.Thread(target=self._produce, name="smoltrain-loader", daemon=True)
         self._thread.start()
@@ -149,7 +151,7 @@ class TokenLoader:
     def _produce(self) -> None:
         j = 0
         ready: deque[Plan] = deque()  # planned, not yet referencing blocks
-        chunk = min(8, self.cfg.prefetch_batches)
+        chunk = min(64, self.cfg.prefetch_batches)
         try:
             while not self._stop.is_set():
                 while len(self._planned) < self.cfg.prefetch_batches:
@@ -157,11 +159,14 @@ class TokenLoader:
                         ready.extend(self._plan(j, chunk))
                         j += chunk
                     p = ready[0]
-                    if self._planned and self.store.bytes_referenced + self.store.new_cost(p.blocks.tolist()) \
+                    if self._planned and self.store.bytes_referenced + self.store.new_cost(p.blocks) \
                             > self.cfg.max_bytes_in_flight:
                         break
                     acquire(ready.popleft(), self.store)
                     self._planned.append(p)
+                    for s, k in zip(p.srcs.tolist(), p.curs.tolist()):  # cursors rise with g per source
+                        self._frontier[s] = k
+                    self.store.sweep(self._done_with)
                 p = self._planned.popleft()
                 out = torch.from_numpy(self.packer.assemble(p))
                 if self._stager is not None:
@@ -170,6 +175,11 @@ class TokenLoader:
                     return
         except Exception as e:  # noqa: BLE001 - any failure is handed to the consumer, in order
             self._buf.put(Failure(e), self._stop)
+
+    def _done_with(self, bid: int) -> bool:
+        s, b = split_id(bid)
+        k = self._frontier[s]
+        return k >= 0 and self.orders[s].done_with(b, k)
 
     # ---- consumer ----
     def __iter__(self) -> TokenLoader:

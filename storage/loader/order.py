@@ -45,6 +45,7 @@ class SourceOrder:
         self._key = source_key(self.name)
         self._epoch = functools.lru_cache(maxsize=2)(self._epoch_uncached)  # ~16 bytes per block each
         self._window = functools.lru_cache(maxsize=64)(self._window_uncached)
+        self._last_slot = functools.lru_cache(maxsize=2)(self._last_slot_uncached)
 
     def _epoch_uncached(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         perm = _rng(self.seed, self._key, 0, e).permutation(len(self.block_tokens))
@@ -53,6 +54,21 @@ class SourceOrder:
     def _window_uncached(self, e: int, w: int) -> np.ndarray:
         size = min(self.window, self.n_seq - w * self.window)
         return _rng(self.seed, self._key, 1, e, w).permutation(size)
+
+    def _last_slot_uncached(self, e: int) -> np.ndarray:
+        """Per block: the last sequence slot (index within epoch e) of the window that holds the block's
+        last sequence; every use of the block in epoch e is drawn at or before that slot."""
+        perm, ends = self._epoch(e)
+        q_last = np.minimum((ends - 1) // self.seq_len, self.n_seq - 1)
+        slot = np.minimum((q_last // self.window + 1) * self.window, self.n_seq) - 1
+        out = np.empty(len(perm), dtype=np.int64)
+        out[perm] = slot
+        return out
+
+    def done_with(self, b: int, k: int) -> bool:
+        """Whether a reader that has drawn every cursor up to k needs block b no more this epoch."""
+        e, j = divmod(int(k), self.n_seq)
+        return bool(self._last_slot(e)[b] <= j)
 
     def position(self, k: int) -> tuple[int, int]:
         """(epoch, sequence index within the epoch's stream) of the k-th sequence drawn."""

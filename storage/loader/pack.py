@@ -22,46 +22,53 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Plan:
+    """One batch resolved to block slices. Pieces are in output order (row-major), so their
+    concatenation is the batch; the hot fields are Python lists, read once per batch."""
     batch: int            # loader-local batch number
     srcs: np.ndarray      # source of each row
     curs: np.ndarray      # cursor (draw number within its source) of each row
-    row: np.ndarray       # per block slice: its row,
-    bid: np.ndarray       # block id,
-    start: np.ndarray     # first token in the block,
-    stop: np.ndarray      # stop token in the block,
-    dst: np.ndarray       # and offset within the row
-    blocks: np.ndarray    # distinct block ids ...
-    uses: np.ndarray      # ... and the references each takes
+    blocks: list[BlockId]  # distinct block ids ...
+    uses: list[int]       # ... and the references each takes
+    piece_block: list[int]  # per piece: index into `blocks`,
+    start: list[int]      # first token in the block,
+    stop: list[int]       # stop token in the block,
+    row: np.ndarray       # and its row (for the quarantine path)
 
 
 def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list[SourceOrder]) -> list[Plan]:
     """Plans of batches first, first + 1, ... whose rows (`rows` each) are srcs/curs, resolved in one pass
-    (the numpy calls cost the same for one batch or many)."""
+    (the numpy calls cost the same for one batch or many, so callers plan many batches at once)."""
     parts = []
     for s in np.unique(srcs):
         idx = np.flatnonzero(srcs == s)
         which, b, a, z, d = orders[int(s)].locate(curs[idx])
         parts.append((idx[which], (int(s) << 40) | b, a, z, d))
     grow, bid, start, stop, dst = (np.concatenate(x) for x in zip(*parts))
-    order = np.argsort(grow // rows, kind="stable")
-    grow, bid, start, stop, dst = grow[order], bid[order], start[order], stop[order], dst[order]
+    order = np.lexsort((dst, grow))  # row-major output order
+    grow, bid, start, stop = grow[order], bid[order], start[order], stop[order]
     n_batches = len(srcs) // rows
-    cuts = np.searchsorted(grow, np.arange(n_batches + 1) * rows)
+    batch = grow // rows
+    # distinct (batch, block) pairs, each batch's in ascending block order
+    distinct, dense = np.unique(bid, return_inverse=True)
+    pair, pair_of_piece, uses = np.unique(batch * len(distinct) + dense, return_inverse=True, return_counts=True)
+    pair_cut = np.searchsorted(pair, np.arange(n_batches + 1) * len(distinct))
+    piece_cut = np.searchsorted(batch, np.arange(n_batches + 1))
+    local = pair_of_piece - pair_cut[batch]
+    pair_bid = distinct[pair % len(distinct)]
     plans = []
     for i in range(n_batches):
-        sl, rs = slice(cuts[i], cuts[i + 1]), slice(i * rows, (i + 1) * rows)
-        blocks, uses = np.unique(bid[sl], return_counts=True)
-        plans.append(Plan(first + i, srcs[rs], curs[rs], grow[sl] - i * rows, bid[sl], start[sl], stop[sl],
-                          dst[sl], blocks, uses))
+        ps, pp, rs = slice(piece_cut[i], piece_cut[i + 1]), slice(pair_cut[i], pair_cut[i + 1]), slice(i * rows, (i + 1) * rows)
+        plans.append(Plan(first + i, srcs[rs], curs[rs], pair_bid[pp].tolist(), uses[pp].tolist(),
+                          local[ps].tolist(), start[ps].tolist(), stop[ps].tolist(), grow[ps] - i * rows))
     return plans
 
 
 def acquire(p: Plan, store: BlockStore) -> None:
-    store.acquire(p.blocks.tolist(), p.uses.tolist())
+    store.acquire(p.blocks, p.uses)
 
 
 def release(p: Plan, store: BlockStore) -> None:
-    store.release(p.blocks.tolist(), p.uses.tolist())
+    store.release(p.blocks, p.uses)
 
 
 class Packer:
@@ -73,30 +80,38 @@ class Packer:
 
     def assemble(self, p: Plan) -> np.ndarray:
         out = np.empty((len(p.srcs), self.width), dtype=np.int64)
-        bad_rows: set[int] = set()
         try:
-            order = np.argsort(p.bid, kind="stable")
-            bids, rows, starts, stops, dsts = (x[order].tolist() for x in (p.bid, p.row, p.start, p.stop, p.dst))
-            cur, tokens = -1, None
-            for bid, r, a, z, d in zip(bids, rows, starts, stops, dsts):
-                if bid != cur:
-                    cur = bid
-                    try:
-                        tokens = self.store.get(bid)
-                    except ShardError as e:
-                        if self.policy != "quarantine":
-                            raise
-                        self._mark_bad(bid, e)
-                        tokens = None
-                if tokens is None:
-                    bad_rows.add(r)
-                else:
-                    out[r, d:d + z - a] = tokens[a:z]
-            for r in sorted(bad_rows):
-                self._substitute(out[r], int(p.srcs[r]), int(p.curs[r]))
+            tokens = [self._get(bid) for bid in p.blocks]
+            if all(t is not None for t in tokens):
+                # one C call copies (and widens) every piece into place
+                np.concatenate([tokens[i][a:z] for i, a, z in zip(p.piece_block, p.start, p.stop)],
+                               out=out.reshape(-1))
+            else:
+                self._assemble_around_bad(p, tokens, out)
         finally:
             release(p, self.store)
         return out
+
+    def _get(self, bid: BlockId) -> np.ndarray | None:
+        """The block's tokens; None for a corrupt block under the quarantine policy."""
+        try:
+            return self.store.get(bid)
+        except ShardError as e:
+            if self.policy != "quarantine":
+                raise
+            self._mark_bad(bid, e)
+            return None
+
+    def _assemble_around_bad(self, p: Plan, tokens: list[np.ndarray | None], out: np.ndarray) -> None:
+        flat, pos, bad_rows = out.reshape(-1), 0, set()
+        for i, a, z, r in zip(p.piece_block, p.start, p.stop, p.row.tolist()):
+            if tokens[i] is None:
+                bad_rows.add(r)
+            else:
+                flat[pos:pos + z - a] = tokens[i][a:z]
+            pos += z - a
+        for r in sorted(bad_rows):
+            self._substitute(out[r], int(p.srcs[r]), int(p.curs[r]))
 
     def _mark_bad(self, bid: BlockId, err: ShardError) -> None:
         if bid not in self.store.bad:

@@ -5,11 +5,13 @@ block). A block whose references reach zero stays cached (least recently used fi
 window shuffle brings the rest of its sequences back a few hundred sequences later; cached blocks are
 evicted whenever the bytes held would exceed the budget. Bytes (compressed + decoded, per block) are
 known at request time from the index and the manifest, so the planner stays under its budget before it
-asks. Reads go through ShardReader (pread locally, fsspec range reads with retries remotely); the
+asks. Blocks decode into recycled buffers (`storage.lz4_into`): an evicted block's buffer takes the next
+block, so a long run stops paying the kernel for fresh pages. Reads go through ShardReader (pread locally, fsspec range reads with retries remotely); the
 decode runs in the pool threads (python-lz4 releases the GIL).
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from storage.shards import TAR_BLOCK, ShardError, ShardReader, decode_block
+from storage.shards import TAR_BLOCK, ShardError, ShardReader, decode_block, decode_tokens
 
 BlockId = int  # source index << 40 | block number within the source
 _SHIFT = 40
@@ -37,6 +39,7 @@ class _Entry:
     refs: int
     nbytes: int
     tokens: np.ndarray | None = None
+    buf: np.ndarray | None = None  # the recycled buffer the tokens live in
 
 
 class BlockStore:
@@ -57,6 +60,8 @@ class BlockStore:
         self.bytes_read = 0
         self.blocks_read = 0
         self.bad: dict[BlockId, ShardError] = {}
+        self._free: list[np.ndarray] = []  # decode buffers of evicted blocks
+        self._buf_tokens = 0  # tokens per decode buffer: the largest block of any source
 
     def cost(self, bid: BlockId) -> int:
         """Bytes a block occupies while in flight: its compressed span plus its decoded tokens."""
@@ -92,16 +97,36 @@ class BlockStore:
 
     def _evict(self, incoming: int) -> None:
         while self._idle and self.bytes_in_flight + incoming > self.max_bytes:
-            bid, _ = self._idle.popitem(last=False)
-            e = self._entries.pop(bid)
-            self.bytes_idle -= e.nbytes
-            self.bytes_in_flight -= e.nbytes
+            self._drop(next(iter(self._idle)))
+
+    def sweep(self, done, patience: int = 16) -> None:
+        """Recycle cached blocks for which `done(bid)` says no planned reader needs them again this epoch,
+        oldest first, giving up after `patience` blocks that are still needed (blocks finish in roughly
+        LRU order; the bound keeps this O(1) per batch). Keeps the cache near the shuffle window's
+        working set instead of the whole budget."""
+        with self._lock:
+            for bid in list(itertools.islice(self._idle, 4 * patience)):
+                if done(bid):
+                    self._drop(bid)
+                else:
+                    patience -= 1
+                    if not patience:
+                        return
+
+    def _drop(self, bid: BlockId) -> None:
+        """Forget an idle block (lock held); its buffer takes a later block."""
+        del self._idle[bid]
+        e = self._entries.pop(bid)
+        self.bytes_idle -= e.nbytes
+        self.bytes_in_flight -= e.nbytes
+        if e.buf is not None and e.future.done():  # a cancelled plan's read may still be writing
+            self._free.append(e.buf)
 
     def get(self, bid: BlockId) -> np.ndarray:
         """The block's tokens (waits for its read); raises ShardError for a corrupt block."""
         e = self._entries[bid]
         if e.tokens is None:
-            e.tokens = e.future.result()
+            e.tokens, e.buf = e.future.result()
         return e.tokens
 
     def release(self, bids: list[BlockId], uses: list[int]) -> None:
@@ -118,9 +143,18 @@ class BlockStore:
         """Read a block outside the reference counting (quarantine stand-ins); raises ShardError."""
         if bid in self.bad:
             raise self.bad[bid]
-        return self.pool.submit(self._load, bid).result()
+        return self.pool.submit(self._load, bid, False).result()[0]
 
-    def _load(self, bid: BlockId) -> np.ndarray:
+    def _buffer(self) -> np.ndarray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if not self._buf_tokens:
+                self._buf_tokens = max(int(t.max()) for t in self.block_tokens if len(t))
+        return np.empty(self._buf_tokens, dtype=f"<u{self.itemsize}")
+
+    def _load(self, bid: BlockId, pooled: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """(tokens, the pooled buffer holding them or None)."""
         s, b = split_id(bid)
         sh, k = self.refs[s][b]
         entry = sh.index[k]
@@ -132,17 +166,29 @@ class BlockStore:
         with self._lock:
             self.bytes_read += len(payload) + len(meta) + 2 * TAR_BLOCK
             self.blocks_read += 1
-        block = decode_block(sh.url, entry.key, payload, meta, entry.tokens_offset)
-        sh.release(k)
-        want = int(self.block_tokens[s][b])
-        if len(block.tokens) != want:
-            raise ShardError(sh.url, f"block has {len(block.tokens)} tokens, the manifest says {want}",
-                             f"{entry.key}.tokens.lz4", entry.tokens_offset)
-        return block.tokens
+        buf = self._buffer() if pooled else None
+        try:
+            if buf is None:
+                tokens = decode_block(sh.url, entry.key, payload, meta, entry.tokens_offset).tokens
+            else:
+                tokens = decode_tokens(sh.url, entry.key, payload, meta, entry.tokens_offset, buf)
+            want = int(self.block_tokens[s][b])
+            if len(tokens) != want:
+                raise ShardError(sh.url, f"block has {len(tokens)} tokens, the manifest says {want}",
+                                 f"{entry.key}.tokens.lz4", entry.tokens_offset)
+        except ShardError:
+            if buf is not None:
+                with self._lock:
+                    self._free.append(buf)
+            raise
+        finally:
+            sh.release(k)
+        return tokens, buf
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._entries.clear()
             self._idle.clear()
+            self._free.clear()
             self.bytes_in_flight = self.bytes_idle = 0
