@@ -144,20 +144,21 @@ def _checked_tokens(shard: str, key: str, payload, dtype: np.dtype, n: int, dige
     if verify and codec.xxh3_64(payload) != int(digest, 16):
         raise ShardError(shard, f"checksum mismatch: xxh3_64 of the LZ4 frame is not {digest} (corrupt block)",
                          member, offset)
-    if out is not None and (out.dtype != dtype or len(out) < n):
+    if out is None:
+        if n * dtype.itemsize > 255 * len(payload) + 64:  # beyond LZ4's best ratio: the count is corrupt
+            raise ShardError(shard, f"metadata says {n} tokens, more than a {len(payload)}-byte LZ4 frame can hold",
+                             f"{key}.{META_EXT}")
+        out = np.empty(n, dtype=dtype)
+    elif out.dtype != dtype or len(out) < n:
         raise ShardError(shard, f"block holds {n} {dtype.name} tokens; expected at most {len(out)} {out.dtype.name} "
                          "(the dataset's dtype and largest block)", f"{key}.{META_EXT}")
     try:
-        if out is None:
-            raw = lz4.frame.decompress(payload)
-            size = len(raw)
-        else:
-            size = codec.decompress_into(payload, out)
-    except (RuntimeError, codec.FrameError) as e:
+        size = codec.decompress_into(payload, out)
+    except codec.FrameError as e:
         raise ShardError(shard, f"LZ4 frame does not decode ({e})", member, offset) from None
     if size != n * dtype.itemsize:
         raise ShardError(shard, f"decoded {size} bytes, metadata says {n} {dtype.name} tokens", member, offset)
-    return np.frombuffer(raw, dtype=dtype) if out is None else out[:n]
+    return out[:n]
 
 
 def _parse_meta(shard: str, key: str, meta_bytes) -> tuple[dict, np.dtype, int, str]:
