@@ -110,6 +110,8 @@ class Trainer:
             if cfg.spike.policy == "skip":
                 skip = "spike"
         if skip is None:
+            if self.ckpt is not None:
+                self.ckpt.before_update()  # an async save's host copy must finish before the state changes
             clip_and_step(self.optimizer, norm, cfg.optim.clip_grad)
             self.scheduler.step()
             self.spikes.accept(loss)

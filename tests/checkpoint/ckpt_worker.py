@@ -98,6 +98,8 @@ def train_step(state, args):
     res = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]),
                                       model=state.model, num_microbatches=1, seq_length=SEQ,
                                       micro_batch_size=tokens.shape[0], forward_only=False)
+    if MGR is not None:
+        MGR.before_update()
     _, gnorm, _ = state.optimizer.step()
     loss = torch.tensor([res[0]["loss"].item() if res else 0.0], dtype=torch.float64, device=DEVICE)
     from megatron.core import parallel_state as ps
@@ -109,6 +111,9 @@ def train_step(state, args):
     state.step += 1
     state.consumed_tokens += GLOBAL_BATCH * SEQ
     return float(loss.item()), float(gnorm)
+
+
+MGR = None  # the CheckpointManager: train_step calls its before_update() hook
 
 
 def main():
@@ -141,7 +146,8 @@ def main():
     cfg = CheckpointConfig(dir="ckpt", full_every=args.full_every, incremental_every=args.incremental_every,
                            keep_last=args.keep_last, keep_full_every=0, async_save=not args.sync,
                            offload_url=args.offload_url, keep_local=args.keep_local)
-    mgr = CheckpointManager(cfg, args.run_dir, meta={"model": {"preset": "tiny"}})
+    global MGR
+    mgr = MGR = CheckpointManager(cfg, args.run_dir, meta={"model": {"preset": "tiny"}})
     resumed = mgr.resume(state) if args.resume else False
     trace = {"resumed": resumed, "start": state.step, "steps": {}, "skipped": mgr.skipped}
     while state.step < args.steps:

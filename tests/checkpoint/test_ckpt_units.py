@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from storage.config import ConfigError, from_dict
 from train.checkpoint import CheckpointConfig, layout, retention
 from train.checkpoint.cli import ckpt
-from train.checkpoint.incremental import DeltaSet, Piece, bits, decode, encode, write_deltas
+from train.checkpoint.incremental import PieceSet, Piece, bits, decode, encode, write_deltas
 
 LOCAL = fsspec.filesystem("file")
 
@@ -66,7 +66,7 @@ def test_deltas_written_under_one_split_apply_under_another(tmp_path):
     for rank, (p, b) in enumerate(zip(writers, base_pieces)):
         stats = write_deltas(str(tmp_path), rank, [p], {b.ident: bits(b.tensor)})
         assert stats["written"] < stats["full"]
-    deltas = DeltaSet(str(tmp_path))
+    deltas = PieceSet(str(tmp_path))
     # Applied under 3 ranks split on dim 1, and to the whole tensor (export).
     for piece in _pieces(base_full, "w", 3, 1):
         target = piece.tensor.clone()
@@ -85,7 +85,7 @@ def test_stacked_layer_pieces_apply_to_whole_tensor(tmp_path):
     basemap = {p.ident: bits(base[p.global_offset[0]]) for p in pieces}
     write_deltas(str(tmp_path), 0, pieces, basemap)
     whole = base.clone()
-    assert DeltaSet(str(tmp_path)).apply("L", (0, 0, 0), whole) == 4
+    assert PieceSet(str(tmp_path)).apply("L", (0, 0, 0), whole) == 4
     assert torch.equal(whole, new)
 
 

@@ -2,8 +2,9 @@
 model.safetensors, config.json, generation_config.json and tokenizer.json, loadable by
 `transformers.LlamaForCausalLM.from_pretrained`.
 
-Weights are read as whole (unsharded) tensors with megatron's `load_plain_tensors`, deltas applied for
-incremental checkpoints, then renamed/split into Llama's layout:
+Weights are read as whole (unsharded) tensors (raw full checkpoints: assembled from the ranks' pieces;
+torch_dist ones: megatron's `load_plain_tensors`), deltas applied for incremental checkpoints, then
+renamed/split into Llama's layout:
   linear_qkv  [groups × (q_per_group + 2) × head_dim, h]  →  q_proj, k_proj, v_proj
   linear_fc1  [gate; up]                                   →  gate_proj, up_proj
 The padded vocabulary is kept (vocab_size in config.json is the padded size), so logits line up with ours.
@@ -17,12 +18,31 @@ import fsspec
 import torch
 
 from train.checkpoint import layout
-from train.checkpoint.incremental import DeltaSet
+from train.checkpoint.incremental import RAW_DIR, PieceSet
+
+
+def _raw_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Whole model tensors of a raw full checkpoint, assembled from every rank's pieces."""
+    pieces = PieceSet(path, RAW_DIR)
+    out = {}
+    for key in pieces.keys():
+        if key.startswith("optimizer"):
+            continue
+        e = pieces.entries(key)[0]
+        t = torch.empty(e["global_shape"], dtype=getattr(torch, e["dtype"]))
+        pieces.apply(key, (0,) * t.dim(), t)
+        if pieces.elements != t.numel():
+            raise layout.CheckpointError(f"{path}: {key}: pieces cover {pieces.elements} of {t.numel()} elements")
+        out[key] = t
+    return out
 
 
 def _plain_tensors(path: str) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
+
+    if os.path.isdir(os.path.join(path, RAW_DIR)):
+        return _raw_tensors(path)
 
     created = False
     if not dist.is_initialized():  # megatron's loader asks for a rank even when reading everything
@@ -43,7 +63,7 @@ def load_model_tensors(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     base_dir = os.path.join(os.path.dirname(ckpt_dir), m["base"]) if m.get("base") else ckpt_dir
     tensors = _plain_tensors(base_dir)
     if m["kind"] == "incremental":
-        deltas = DeltaSet(ckpt_dir)
+        deltas = PieceSet(ckpt_dir)
         for k, t in tensors.items():
             deltas.apply(k, (0,) * t.dim(), t)
     return tensors, m

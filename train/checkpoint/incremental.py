@@ -1,14 +1,15 @@
-"""Lossless tensor deltas for incremental checkpoints: XOR of bit patterns against the base, byte-plane
-shuffled, zstd-compressed; unchanged pieces are references, not bytes.
+"""Tensor pieces on disk: full checkpoints as raw bytes, incremental ones as lossless deltas (XOR of bit
+patterns against the base, byte-plane shuffled, zstd-compressed; unchanged pieces are references).
 
-A rank writes `delta/rankNNNNN.bin` (concatenated blobs) and `delta/rankNNNNN.json` (index). Each entry
-is one tensor piece: its global key, global shape and offset (megatron ShardedTensor coordinates), local
-shape, dtype and codec:
+A rank writes `<dir>/rankNNNNN.bin` (concatenated blobs) and `<dir>/rankNNNNN.json` (index), where <dir> is
+`tensors/` for a full checkpoint and `delta/` for an incremental one. Each entry is one tensor piece: its
+global key, global shape and offset (megatron ShardedTensor coordinates), local shape, dtype and codec:
+  raw       the piece's bytes as they are in memory (full checkpoints: written at storage speed)
   same      identical to the base: nothing stored
   xor-zstd  zstd(byte-shuffled(new XOR base))
   zstd      zstd(byte-shuffled(new)) when the base has no such piece
-Pieces are applied by intersecting global regions, so a delta written under one TP/PP/DP layout applies to
-base tensors loaded under another: XOR is elementwise.
+Pieces are applied by intersecting global regions, so pieces written under one TP/PP/DP layout fill (raw)
+or patch (XOR is elementwise) tensors loaded under another.
 """
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 import zstandard
+
+from train.checkpoint.rawfile import write_stream
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DELTA_DIR = "delta"
+RAW_DIR = "tensors"
 
 
 def bits(t: torch.Tensor) -> np.ndarray:
@@ -56,9 +61,11 @@ def encode(new: np.ndarray, base: np.ndarray | None, level: int = 3) -> tuple[st
 
 
 def decode(codec: str, blob: bytes, int_dtype: np.dtype, shape: tuple) -> np.ndarray | None:
-    """XOR pattern (xor-zstd), full values (zstd) or None (same)."""
+    """XOR pattern (xor-zstd), full values (zstd, raw) or None (same)."""
     if codec == "same":
         return None
+    if codec == "raw":
+        return np.frombuffer(blob, dtype=int_dtype).reshape(tuple(shape))
     raw = zstandard.ZstdDecompressor().decompress(blob)
     return _unshuffle(raw, np.dtype(int_dtype), tuple(shape))
 
@@ -76,6 +83,12 @@ class Piece:
         return (self.key, tuple(self.global_offset), tuple(self.tensor.shape))
 
 
+def _entry(p: Piece, codec: str, offset: int, nbytes: int, raw_nbytes: int) -> dict:
+    return {"key": p.key, "global_shape": list(p.global_shape), "global_offset": list(p.global_offset),
+            "shape": list(p.tensor.shape), "dtype": str(p.tensor.dtype).removeprefix("torch."), "codec": codec,
+            "offset": offset, "nbytes": nbytes, "raw_nbytes": raw_nbytes}
+
+
 def write_deltas(out_dir: str, rank: int, pieces: list[Piece], base: dict[tuple, np.ndarray] | None,
                  level: int = 3) -> dict:
     """Write this rank's delta files; returns byte counts {written, full, pieces, same}."""
@@ -86,10 +99,7 @@ def write_deltas(out_dir: str, rank: int, pieces: list[Piece], base: dict[tuple,
         for p in pieces:
             b = bits(p.tensor)
             codec, blob = encode(b, None if base is None else base.get(p.ident), level)
-            entries.append({"key": p.key, "global_shape": list(p.global_shape),
-                            "global_offset": list(p.global_offset), "shape": list(p.tensor.shape),
-                            "dtype": str(p.tensor.dtype).removeprefix("torch."), "codec": codec,
-                            "offset": offset, "nbytes": len(blob), "raw_nbytes": b.nbytes})
+            entries.append(_entry(p, codec, offset, len(blob), b.nbytes))
             f.write(blob)
             offset += len(blob)
             full += b.nbytes
@@ -99,13 +109,56 @@ def write_deltas(out_dir: str, rank: int, pieces: list[Piece], base: dict[tuple,
     return {"written": offset, "full": full, "pieces": len(pieces), "same": same}
 
 
-class DeltaSet:
-    """All ranks' delta entries of one incremental checkpoint, applied to base tensors by region."""
+def write_raw(out_dir: str, rank: int, pieces: list[Piece]) -> dict:
+    """Write this rank's pieces as raw bytes (a full checkpoint) at storage speed (`rawfile.write_stream`,
+    which also hashes them, so the commit need not read the file back).
+    Returns {written, full, pieces, files: {relative path: [size, xxh3_128 hex]}}."""
+    os.makedirs(os.path.join(out_dir, RAW_DIR), exist_ok=True)
+    rel = f"{RAW_DIR}/rank{rank:05d}"
+    entries, views, offset = [], [], 0
+    for p in pieces:
+        mv = memoryview(bits(p.tensor.contiguous())).cast("B")
+        entries.append(_entry(p, "raw", offset, len(mv), len(mv)))
+        views.append(mv)
+        offset += len(mv)
+    size, digest = write_stream(os.path.join(out_dir, rel + ".bin"), views)
+    index = json.dumps({"rank": rank, "entries": entries}).encode()
+    with open(os.path.join(out_dir, rel + ".json"), "wb") as f:
+        f.write(index)
+    return {"written": size, "full": size, "pieces": len(pieces),
+            "files": {rel + ".bin": [size, digest], rel + ".json": [len(index), xxhash.xxh3_128_hexdigest(index)]}}
 
-    def __init__(self, ckpt_dir: str):
+
+_NP_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy twins of bits()' dtypes
+
+
+def raw_snapshot(ckpt_dir: str, rank: int) -> dict[tuple, np.ndarray]:
+    """This rank's pieces of a raw full checkpoint as bit-pattern arrays keyed like `Piece.ident`: views of
+    a read-only map of the file (the page cache holds them; a map outlives the folder's rename)."""
+    stem = os.path.join(ckpt_dir, RAW_DIR, f"rank{rank:05d}")
+    with open(stem + ".json") as f:
+        entries = json.load(f)["entries"]
+    if not entries:
+        return {}
+    mm = np.memmap(stem + ".bin", dtype=np.uint8, mode="r")
+    out = {}
+    for e in entries:
+        size = torch.empty(0, dtype=getattr(torch, e["dtype"])).element_size()
+        view = mm[e["offset"]:e["offset"] + e["nbytes"]].view(_NP_INT_OF_SIZE[size]).reshape(e["shape"])
+        out[(e["key"], tuple(e["global_offset"]), tuple(e["shape"]))] = view
+    return out
+
+
+class PieceSet:
+    """All ranks' piece entries of one checkpoint folder (`tensors/` or `delta/`), applied to tensors by
+    global region: raw/zstd pieces overwrite, xor-zstd pieces patch, same pieces are skipped."""
+
+    def __init__(self, ckpt_dir: str, subdir: str = DELTA_DIR):
         self.dir = ckpt_dir
         self.by_key: dict[str, list[tuple[str, dict]]] = {}
-        ddir = os.path.join(ckpt_dir, DELTA_DIR)
+        self._maps: dict[str, np.memmap] = {}
+        self.elements = 0  # target elements filled or patched by the last apply()
+        ddir = os.path.join(ckpt_dir, subdir)
         for name in sorted(os.listdir(ddir)):
             if not name.endswith(".json"):
                 continue
@@ -115,12 +168,27 @@ class DeltaSet:
             for e in idx["entries"]:
                 self.by_key.setdefault(e["key"], []).append((binf, e))
 
+    def keys(self) -> list[str]:
+        return list(self.by_key)
+
+    def entries(self, key: str) -> list[dict]:
+        return [e for _, e in self.by_key.get(key, [])]
+
+    def _blob(self, binf: str, e: dict):
+        if e["codec"] == "raw":  # zero-copy: a view of the file's map
+            if binf not in self._maps:
+                self._maps[binf] = np.memmap(binf, dtype=np.uint8, mode="r")
+            return self._maps[binf][e["offset"]:e["offset"] + e["nbytes"]]
+        with open(binf, "rb") as f:
+            f.seek(e["offset"])
+            return f.read(e["nbytes"])
+
     def apply(self, key: str, global_offset: tuple, target: torch.Tensor) -> int:
         """Turn `target` (base values of region global_offset + target.shape) into the checkpoint's values,
-        in place. Returns the number of pieces that touched it."""
+        in place. Returns the number of pieces that touched it; `self.elements` counts the elements."""
         tcpu = target.detach().cpu().contiguous()  # a copy only for device or strided targets
         tb = bits(tcpu)
-        touched = 0
+        touched, self.elements = 0, 0
         g = len(global_offset)
         # Local pieces may omit leading (stacked-layer) axes of the global tensor: give them extent 1.
         ext_t = [1] * (g - tb.ndim) + list(tb.shape)
@@ -140,15 +208,14 @@ class DeltaSet:
                 sl_t.append(slice(lo - to, hi - to))
                 sl_e.append(slice(lo - o, hi - o))
             else:
-                with open(binf, "rb") as f:
-                    f.seek(e["offset"])
-                    blob = f.read(e["nbytes"])
-                d = decode(e["codec"], blob, tb.dtype, es).reshape(ext_e)
+                d = decode(e["codec"], self._blob(binf, e), tb.dtype, es).reshape(ext_e)
                 if e["codec"] == "xor-zstd":
                     tview[tuple(sl_t)] ^= d[tuple(sl_e)]
                 else:
                     tview[tuple(sl_t)] = d[tuple(sl_e)]
                 touched += 1
-        if tcpu is not target:
-            target.copy_(tcpu)
+                self.elements += int(np.prod([sl.stop - sl.start for sl in sl_t]))
+        if tcpu.data_ptr() != target.data_ptr():  # we worked on a copy
+            with torch.no_grad():
+                target.copy_(tcpu)
         return touched

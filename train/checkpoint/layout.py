@@ -98,16 +98,38 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def commit(tmp: str, root: str, step: int, kind: str, base: str | None, info: dict) -> dict:
+def _fsync_file(path: str) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: str, root: str, step: int, kind: str, base: str | None, info: dict,
+           hashed: dict | None = None) -> dict:
     """Checksum + fsync every file of `tmp`, write its manifest, rename it to its final name, move `latest`.
 
-    `info` adds fields to the manifest (layout, bytes written, model metadata, ...). Returns the manifest.
+    `info` adds fields to the manifest (layout, bytes written, model metadata, ...). `hashed` maps relative
+    paths to [size, xxh3_128] computed while the writer wrote them: those files are only fsynced (their
+    size checked), not read back. Returns the manifest.
     """
     local = fsspec.filesystem("file")
     rels = _local_files(tmp)
-    # xxhash and os.read release the GIL: files are hashed in parallel (one per rank and bucket).
+    hashed = hashed or {}
+
+    def one(rel: str) -> tuple[int, str]:
+        path = os.path.join(tmp, rel)
+        if rel in hashed:
+            size, digest = hashed[rel]
+            if _fsync_file(path) != size:
+                raise CheckpointError(f"{path}: size changed after it was written")
+            return size, digest
+        return checksum_file(local, path, fsync=True)
+    # fsync, os.read and xxhash release the GIL: files are done in parallel (one per rank and bucket).
     with ThreadPoolExecutor(max(1, min(8, len(rels), os.cpu_count() or 1))) as pool:
-        sums = list(pool.map(lambda rel: checksum_file(local, os.path.join(tmp, rel), fsync=True), rels))
+        sums = list(pool.map(one, rels))
     files = {rel: {"size": size, "xxh3_128": digest} for rel, (size, digest) in zip(rels, sums)}
     for dirpath, _, _ in os.walk(tmp):
         _fsync_dir(dirpath)

@@ -4,6 +4,7 @@ retention, offload).
     mgr = CheckpointManager(cfg, run_dir)
     resumed = mgr.resume(state)          # newest verifying checkpoint, in place; False when none
     mgr.maybe_save(state)                # after every optimizer step; cadence decides; async
+    mgr.before_update()                  # before every optimizer step (async saves copy the state meanwhile)
     mgr.wait(); mgr.close()              # before exit / destroy_process_group
 """
 from __future__ import annotations
@@ -80,6 +81,11 @@ class CheckpointManager:
         if not self.cfg.async_save:
             self.wait()
         return True
+
+    def before_update(self) -> float:
+        """Call before the optimizer step changes parameters or optimizer state: waits (rarely) for the host
+        copy of a save started after the previous step. Returns the seconds waited."""
+        return self.saver.wait_staged()
 
     def _finalize(self, block: bool) -> None:
         p = self.saver.poll(block)

@@ -1,10 +1,12 @@
 """Asynchronous sharded saves through megatron dist_checkpointing.
 
 A save has three phases:
-1. stage (training waits): build the sharded state dict, copy every tensor to host memory, write the
-   small files (train_state.pt, rng/rankN.pt), plan the write (`dist_checkpointing.save(async)`);
-2. write (background thread): the AsyncRequest's write function (torch_dist for full checkpoints,
-   XOR+zstd deltas for incremental ones);
+1. stage (training waits): build the sharded state dict, write the small files (train_state.pt,
+   rng/rankN.pt), plan the write (`dist_checkpointing.save(async)`), and start the copy of every tensor
+   to reused host buffers; the copy runs beside the next forward/backward, and training waits for it
+   only if it is not done when the optimizer is about to step (`wait_staged`);
+2. write (background thread): the AsyncRequest's write function (raw tensor bytes for full checkpoints,
+   XOR+zstd deltas for incremental ones; torch_dist for full ones with a flattened optimizer state);
 3. finalize (all ranks, at a later step once every rank's write finished): megatron's finalize functions
    (global metadata), then rank 0 commits in its background thread: checksums, manifest, fsync, rename,
    `latest` (layout.commit).
@@ -22,13 +24,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import apply_factories
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from train.checkpoint import layout, state_io
 from train.checkpoint.config import CheckpointConfig
-from train.checkpoint.strategies import DeltaSaveStrategy, main_pieces, snapshot, stage
+from train.checkpoint.incremental import raw_snapshot
+from train.checkpoint.strategies import DeltaSaveStrategy, RawSaveStrategy, main_pieces, snapshot, stage, walk
 from train.state import TrainState
 
 log = logging.getLogger("train.checkpoint")
@@ -69,13 +72,16 @@ class PendingSave:
     stall_s: float
     staged_bytes: int
     info: dict = field(default_factory=dict)
+    staging: Future | None = None  # lazy staging: the host copy, running beside the next forward/backward
 
     @property
     def name(self) -> str:
         return layout.ckpt_name(self.step)
 
 
-def _run_request(req: AsyncRequest, step: int) -> None:
+def _run_request(req: AsyncRequest, step: int, staging: Future | None) -> None:
+    if staging is not None:
+        staging.result()  # the host copy the write reads
     if os.environ.get(FAIL_ENV) == str(step):
         raise OSError(f"injected write failure at step {step} ({FAIL_ENV})")
     # req.preload_fn (megatron's device→host copy) is not needed: stage() already made host copies.
@@ -100,6 +106,9 @@ class Saver:
         self.pending: PendingSave | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stage")
+        self._staging_bufs: dict[tuple, torch.Tensor] = {}  # host buffers of lazy staging, reused by every save
+        self._validated = False
         self._commits: list[Future] = []
         self.failed: list[str] = []  # messages of saves that were not committed
         self.last_stall_s = 0.0
@@ -122,26 +131,83 @@ class Saver:
         barrier()
         sd = state_io.sharded_state_dict(state, self.cfg.distrib_optim_sharding_type, is_loading=False)
         apply_factories(sd)
-        staged = stage(sd)
-        pieces = main_pieces(sd)
-        new_base = snapshot(pieces) if kind == "full" else None
-        if kind == "full":
-            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-        else:
+        try:
+            pieces = main_pieces(sd)
+        except NotImplementedError:  # flattened optimizer state: only torch_dist can write it
+            pieces = None
+        if kind == "incremental":
             strategy = DeltaSaveStrategy(self.rank, base, self.cfg.compression_level)
-        req = dist_checkpointing.save(sd, tmp, sharded_strategy=strategy, async_sharded_save=True)
+        elif pieces is not None:
+            strategy = RawSaveStrategy(self.rank)
+        else:
+            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+        # A sync save writes straight from the live tensors (training waits anyway). An async one copies
+        # them to reused host buffers in the background: parameters and optimizer states only change in
+        # the optimizer step, and the training loop calls `wait_staged` (CheckpointManager.before_update)
+        # before it. A torch_dist full save (flattened optimizer state), or state on a GPU, is staged
+        # eagerly, into fresh memory: its values also stay behind as the base of later incremental saves.
+        staged, staging = 0, None
+        torch_dist = isinstance(strategy, TorchDistSaveShardedStrategy)
+        if self.cfg.async_save and not torch_dist and self._host_only(sd):
+            staged, staging = self._stage_lazily(sd)
+        elif self.cfg.async_save or torch_dist:
+            staged = stage(sd)
+            pieces = main_pieces(sd) if pieces is not None else None
+        new_base = snapshot(pieces) if isinstance(strategy, TorchDistSaveShardedStrategy) and pieces else None
+        # the sharding layout is validated (an all-gather of every tensor's metadata) on a Saver's first save
+        req = dist_checkpointing.save(sd, tmp, sharded_strategy=strategy, async_sharded_save=True,
+                                      validate_access_integrity=not self._validated)
+        self._validated = True
         # the small per-rank files go in after megatron has checked that the folder is empty
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         torch.save(state_io.rng_state(), os.path.join(tmp, "rng", f"rank{self.rank:05d}.pt"))
         if self.rank == 0:
             torch.save(state_io.train_state_dict(state), os.path.join(tmp, "train_state.pt"))
-        future = self._writer.submit(_run_request, req, step)
+        future = self._writer.submit(_run_request, req, step, staging)
         stall = time.perf_counter() - t0
         self.last_stall_s = stall
         self.pending = PendingSave(step, kind, base_name if kind == "incremental" else None, tmp, req, future,
-                                   strategy, new_base, stall, staged,
-                                   {"full_bytes": sum(p.tensor.numel() * p.tensor.element_size() for p in pieces)})
+                                   strategy, new_base, stall, staged, {"full_bytes": staged}, staging)
         return self.pending
+
+    @staticmethod
+    def _host_only(sd) -> bool:
+        devices = set()
+        walk(sd, lambda v: devices.add(v.data.device.type) if isinstance(v, ShardedTensor) else None)
+        return devices <= {"cpu"}
+
+    def _stage_lazily(self, sd) -> tuple[int, Future]:
+        """Point every ShardedTensor at its reused host buffer and fill the buffers in the background."""
+        jobs = []
+
+        def swap(v):
+            if isinstance(v, ShardedTensor):
+                src = v.data.detach()
+                ident = (v.key, tuple(v.global_offset), tuple(src.shape), src.dtype)
+                buf = self._staging_bufs.get(ident)
+                if buf is None:
+                    buf = self._staging_bufs[ident] = torch.empty(src.shape, dtype=src.dtype)
+                jobs.append((buf, src))
+                v.data = buf
+        walk(sd, swap)
+
+        def copy_all():
+            for buf, src in jobs:
+                buf.copy_(src)
+        return sum(b.numel() * b.element_size() for b, _ in jobs), self._stager.submit(copy_all)
+
+    def wait_staged(self) -> float:
+        """Block until the save in flight has its host copy (call before the state changes). Seconds waited;
+        they count as stall of that save."""
+        p = self.pending
+        if p is None or p.staging is None or p.staging.done():
+            return 0.0
+        t = time.perf_counter()
+        wait([p.staging])
+        waited = time.perf_counter() - t
+        p.stall_s += waited
+        self.last_stall_s = p.stall_s
+        return waited
 
     def poll(self, block: bool) -> PendingSave | None:
         """Finalize the save in flight if every rank finished writing (or wait for that with `block`).
@@ -171,8 +237,7 @@ class Saver:
                 shutil.rmtree(p.tmp, ignore_errors=True)
             p.info["ok"] = False
             return p
-        stats = p.strategy.stats if isinstance(p.strategy, DeltaSaveStrategy) else \
-            {"written": p.info["full_bytes"], "full": p.info["full_bytes"]}
+        stats = getattr(p.strategy, "stats", None) or {"written": p.info["full_bytes"], "full": p.info["full_bytes"]}
         gathered = [stats]
         if self.world > 1:
             gathered = [None] * self.world
@@ -180,14 +245,17 @@ class Saver:
         info = {"layout": state_io.layout(), "meta": self.meta, "stall_s": round(p.stall_s, 4),
                 "tensor_bytes": {"written": sum(s.get("written", 0) for s in gathered),
                                  "full": sum(s.get("full", 0) for s in gathered)}}
+        hashed = {rel: v for s in gathered for rel, v in s.get("files", {}).items()}  # hashed while written
+        if isinstance(p.strategy, RawSaveStrategy):
+            p.new_base = raw_snapshot(p.tmp, self.rank)
         p.info["ok"] = True
         if self.rank == 0:
-            self._commits.append(self._committer.submit(self._commit, p, info))
+            self._commits.append(self._committer.submit(self._commit, p, info, hashed))
         return p
 
-    def _commit(self, p: PendingSave, info: dict) -> dict:
+    def _commit(self, p: PendingSave, info: dict, hashed: dict) -> dict:
         try:
-            m = layout.commit(p.tmp, self.root, p.step, p.kind, p.base, info)
+            m = layout.commit(p.tmp, self.root, p.step, p.kind, p.base, info, hashed)
         except Exception as e:
             msg = f"checkpoint {p.name}: commit failed, not saved: {e!r}"
             log.error(msg, exc_info=e)
@@ -212,3 +280,4 @@ class Saver:
         self.wait_commits()
         self._writer.shutdown(wait=True)
         self._committer.shutdown(wait=True)
+        self._stager.shutdown(wait=True)
