@@ -1,5 +1,5 @@
-"""The read path's two hot C calls, made without holding the GIL: LZ4 frame decode into a caller's
-buffer, and XXH3-64 of a buffer.
+"""Hot C calls made without holding the GIL: LZ4 frame decode into a caller's buffer, XXH3-64 of a
+buffer (the loader's read path), and streaming XXH3-128 (checkpoint writes).
 
 python-lz4 only returns new `bytes`, and decoding into fresh memory costs a page fault per 4 KiB, which
 on a VM roughly doubles the decode time of a 512 KiB block; the loader decodes into recycled buffers
@@ -21,6 +21,19 @@ import xxhash
 _xxh = ctypes.CDLL(xxhash._xxhash.__file__).XXH3_64bits
 _xxh.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _xxh.restype = ctypes.c_uint64
+_xlib = ctypes.CDLL(xxhash._xxhash.__file__)
+_xlib.XXH3_createState.restype = ctypes.c_void_p
+_xlib.XXH3_freeState.argtypes = [ctypes.c_void_p]
+_xlib.XXH3_128bits_reset.argtypes = [ctypes.c_void_p]
+_xlib.XXH3_128bits_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+class _Hash128(ctypes.Structure):
+    _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]
+
+
+_xlib.XXH3_128bits_digest.argtypes = [ctypes.c_void_p]
+_xlib.XXH3_128bits_digest.restype = _Hash128
 _lib = ctypes.CDLL(lz4.frame._frame.__file__)
 _safe = _lib.LZ4_decompress_safe
 _safe.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
@@ -41,6 +54,29 @@ def xxh3_64(data) -> int:
     """XXH3-64 (seed 0) of any buffer; equals xxhash.xxh3_64_intdigest."""
     arr = np.frombuffer(data, dtype=np.uint8)
     return int(_xxh(arr.ctypes.data, len(arr)))
+
+
+class Xxh3_128:
+    """Streaming XXH3-128 whose update releases the GIL; hexdigest() equals xxhash.xxh3_128's."""
+
+    def __init__(self):
+        self._state = _xlib.XXH3_createState()
+        if not self._state:
+            raise MemoryError("XXH3_createState failed")
+        _xlib.XXH3_128bits_reset(self._state)
+
+    def update(self, data) -> None:
+        arr = np.frombuffer(data, dtype=np.uint8)
+        _xlib.XXH3_128bits_update(self._state, arr.ctypes.data, len(arr))
+
+    def hexdigest(self) -> str:
+        h = _xlib.XXH3_128bits_digest(self._state)
+        return f"{h.high64:016x}{h.low64:016x}"
+
+    def __del__(self):
+        if getattr(self, "_state", None):
+            _xlib.XXH3_freeState(self._state)
+            self._state = None
 
 
 def decompress_into(frame, out: np.ndarray) -> int:

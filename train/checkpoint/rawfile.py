@@ -7,18 +7,19 @@ and written with O_DIRECT by a small pool of I/O threads, so the copy of the nex
 disk write of the previous ones and nothing is left to flush at the end. Where O_DIRECT is refused
 (tmpfs, some network filesystems) the file is written through the page cache with Linux
 sync_file_range starting the writeback of each chunk as soon as it is written.
-The XXH3-128 of the stream is computed from the hot bounce buffers, so the commit need not read it back.
+The XXH3-128 of the stream is computed from the hot bounce buffers (GIL released, in order, beside the
+copy of the next buffer), so the commit need not read it back.
 """
 from __future__ import annotations
 
 import ctypes
 import mmap
 import os
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
-import xxhash
+
+from storage import codec
 
 CHUNK = 8 << 20
 BUFFERS = 6     # bounce buffers: up to BUFFERS - 1 writes in flight while the next one is filled
@@ -44,29 +45,37 @@ def _pwrite_all(fd: int, buf: memoryview, off: int) -> None:
         buf, off = buf[n:], off + n
 
 
-def write_stream(path: str, parts: Iterable[memoryview]) -> tuple[int, str]:
+def write_stream(path: str, parts: list[memoryview]) -> tuple[int, str]:
     """Write the concatenation of `parts` (byte memoryviews) to a new file at `path`, fsynced.
     Returns (size, XXH3-128 hex digest)."""
+    total = sum(len(p) for p in parts)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
         direct = hasattr(os, "O_DIRECT")
     except OSError:  # EINVAL: the filesystem does not do O_DIRECT
         fd, direct = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), False
+    if total and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, total)  # allocate the extents once, not per write
+        except OSError:  # not supported here: allocate on write
+            pass
     bufs = [mmap.mmap(-1, CHUNK) for _ in range(BUFFERS)]  # page-aligned, as O_DIRECT needs
     views = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
     pending: list[Future | None] = [None] * BUFFERS
-    h, off, k, fill = xxhash.xxh3_128(), 0, 0, 0
+    h, off, k, fill = codec.Xxh3_128(), 0, 0, 0
     io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ckpt-io")
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")  # in order; overlaps the next copy
 
     def flush(b: int, n: int) -> None:
         nonlocal off, k
-        h.update(memoryview(bufs[b])[:n])
         size = -(-n // _ALIGN) * _ALIGN if direct else n  # O_DIRECT writes whole blocks; truncated below
+        hashed = hasher.submit(h.update, memoryview(bufs[b])[:n])
 
-        def write(b=b, size=size, at=off):
+        def write(b=b, size=size, at=off, hashed=hashed):
             _pwrite_all(fd, memoryview(bufs[b])[:size], at)
             if not direct:
                 _start_writeback(fd, at, size)
+            hashed.result()  # the buffer is free for the next chunk once written and hashed
         pending[b] = io.submit(write)
         off += n
         k += 1
@@ -95,5 +104,6 @@ def write_stream(path: str, parts: Iterable[memoryview]) -> tuple[int, str]:
         os.fsync(fd)
     finally:
         io.shutdown(wait=True)
+        hasher.shutdown(wait=True)
         os.close(fd)
     return off, h.hexdigest()
