@@ -67,7 +67,7 @@ def run_bench(cfg: LoaderConfig, global_batch: int, sequences: int, every: int, 
 @click.option("--batch", "global_batch", default=64, show_default=True, help="Global batch size (DP=1).")
 @click.option("--sequences", default=200_000, show_default=True, help="Sequences to draw in all.")
 @click.option("--every", default=10_000, show_default=True, help="Report a window every N sequences.")
-@click.option("--threads", default=8, show_default=True, help="Prefetch threads.")
+@click.option("--threads", default=0, show_default=True, help="Prefetch threads (0: auto, see LoaderConfig.threads).")
 @click.option("--step-ms", default=0.0, show_default=True, help="Simulated training step between batches.")
 @click.option("--seed", default=1234, show_default=True)
 @click.option("--max-bytes", default=512 << 20, show_default=True, help="max_bytes_in_flight (block cache budget).")

@@ -1,6 +1,7 @@
 """`LoaderConfig`: the typed, validated settings of the streaming loader (loadable by storage.config)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,7 +14,7 @@ class LoaderConfig:
     seq_len: int = 2048                  # tokens per training sequence; rows carry seq_len + 1 tokens
     seed: int = 1234                     # seeds block permutations and window shuffles
     shuffle_window: int = 4096           # sequences of one source shuffled together (per epoch)
-    prefetch_threads: int = 8            # threads that read + verify + LZ4-decode blocks
+    prefetch_threads: int = 0            # threads that read + verify + LZ4-decode blocks; 0: auto (see threads())
     prefetch_batches: int = 32           # batches planned (blocks requested) ahead of the one being built
     max_bytes_in_flight: int = 512 << 20  # compressed + decoded block bytes the prefetcher may hold
     corruption: Literal["error", "quarantine"] = "error"
@@ -21,10 +22,25 @@ class LoaderConfig:
     device: str = "cpu"                  # "cpu" or "cuda[:N]": cuda batches come via pinned memory + side stream
     backend: Literal["python", "dali"] = "python"  # dali: blocks read by DALI's webdataset reader
 
+    def threads(self) -> int:
+        """Prefetch threads to start. Auto (0): 16 for a remote dataset, whose reads wait on the network;
+        locally, where the threads decode, the CPUs this process may use minus one for the packing thread
+        (1 to 8): more decode threads than spare cores only pass the GIL back and forth (bench_loader on
+        2 cores: medians of 1.45x webdataset's throughput over 5 runs with 1 thread, 1.26x with 4)."""
+        if self.prefetch_threads:
+            return self.prefetch_threads
+        from storage import fs
+        if not fs.is_local(self.dataset):
+            return 16
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+        return max(1, min(8, cpus - 1))
+
     def validate(self) -> None:
         if not self.dataset:
             raise ConfigError("key 'dataset': required (a dataset folder or URL)")
-        for key in ("seq_len", "shuffle_window", "prefetch_threads", "prefetch_batches", "max_bytes_in_flight",
+        if self.prefetch_threads < 0:
+            raise ConfigError(f"key 'prefetch_threads': must be >= 0 (0: auto), got {self.prefetch_threads}")
+        for key in ("seq_len", "shuffle_window", "prefetch_batches", "max_bytes_in_flight",
                     "max_substitutes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"key '{key}': must be >= 1, got {getattr(self, key)}")

@@ -82,7 +82,7 @@ class TokenLoader:
         if cfg.backend == "dali":
             from storage.loader.dali import DaliBlockReader
             reader = DaliBlockReader(self.ds)  # raises ConfigError when DALI is absent
-        self.store = BlockStore([], [], self.itemsize, cfg.prefetch_threads, cfg.max_bytes_in_flight, reader)
+        self.store = BlockStore([], [], self.itemsize, cfg.threads(), cfg.max_bytes_in_flight, reader)
         # shard indexes and block tables are fetched with the prefetch pool (many small reads remotely)
         list(self.store.pool.map(lambda sh: sh.index, [sh for rs in self.ds.readers.values() for sh in rs]))
         self.orders: list[SourceOrder] = []

@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128 * 262_144)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0, help="prefetch threads (0: the loader's auto choice)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--long", type=int, default=200_000, help="sequences for the flatness run (0: skip)")
     ap.add_argument("--long-cache-mib", type=int, default=38, help="max_bytes_in_flight of the long run, MiB")
@@ -121,6 +121,7 @@ def main() -> None:
     n_seq = (int(ds.manifest.total_tokens) - 1) // args.seq_len
     n_batches = int(n_seq * 0.95) // args.batch  # one pass; the in-order peers cannot wrap around
     cfg = LoaderConfig(dataset=root, seq_len=args.seq_len, prefetch_threads=args.threads)
+    args.threads = cfg.threads()
     paths = {"ours": lambda: ours(cfg, args.batch, n_batches),
              "webdataset": lambda: peer_webdataset(shards, args.seq_len, args.batch, n_batches),
              "raw": lambda: raw_read(shards, args.seq_len, args.batch, n_batches)}
