@@ -141,16 +141,16 @@ class Saver:
             strategy = RawSaveStrategy(self.rank)
         else:
             strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-        # A sync save writes straight from the live tensors (training waits anyway). An async one copies
+        # A sync save of host tensors writes straight from them (training waits anyway). An async one copies
         # them to reused host buffers in the background: parameters and optimizer states only change in
         # the optimizer step, and the training loop calls `wait_staged` (CheckpointManager.before_update)
         # before it. A torch_dist full save (flattened optimizer state), or state on a GPU, is staged
         # eagerly, into fresh memory: its values also stay behind as the base of later incremental saves.
         staged, staging = 0, None
-        torch_dist = isinstance(strategy, TorchDistSaveShardedStrategy)
-        if self.cfg.async_save and not torch_dist and self._host_only(sd):
+        torch_dist, host = isinstance(strategy, TorchDistSaveShardedStrategy), self._host_only(sd)
+        if self.cfg.async_save and not torch_dist and host:
             staged, staging = self._stage_lazily(sd)
-        elif self.cfg.async_save or torch_dist:
+        elif self.cfg.async_save or torch_dist or not host:  # our writers read host memory
             staged = stage(sd)
             pieces = main_pieces(sd) if pieces is not None else None
         new_base = snapshot(pieces) if isinstance(strategy, TorchDistSaveShardedStrategy) and pieces else None
