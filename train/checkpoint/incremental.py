@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,7 +113,8 @@ def write_deltas(out_dir: str, rank: int, pieces: list[Piece], base: dict[tuple,
 def write_raw(out_dir: str, rank: int, pieces: list[Piece]) -> dict:
     """Write this rank's pieces as raw bytes (a full checkpoint) at storage speed (`rawfile.write_stream`,
     which also hashes them, so the commit need not read the file back).
-    Returns {written, full, pieces, files: {relative path: [size, xxh3_128 hex]}}."""
+    Returns {written, full, pieces, write_s (the tensor file's write, fsync included), files: {relative
+    path: [size, xxh3_128 hex]}}."""
     os.makedirs(os.path.join(out_dir, RAW_DIR), exist_ok=True)
     rel = f"{RAW_DIR}/rank{rank:05d}"
     entries, views, offset = [], [], 0
@@ -121,11 +123,13 @@ def write_raw(out_dir: str, rank: int, pieces: list[Piece]) -> dict:
         entries.append(_entry(p, "raw", offset, len(mv), len(mv)))
         views.append(mv)
         offset += len(mv)
+    t = time.perf_counter()
     size, digest = write_stream(os.path.join(out_dir, rel + ".bin"), views)
+    write_s = time.perf_counter() - t
     index = json.dumps({"rank": rank, "entries": entries}).encode()
     with open(os.path.join(out_dir, rel + ".json"), "wb") as f:
         f.write(index)
-    return {"written": size, "full": size, "pieces": len(pieces),
+    return {"written": size, "full": size, "pieces": len(pieces), "write_s": write_s,
             "files": {rel + ".bin": [size, digest], rel + ".json": [len(index), xxhash.xxh3_128_hexdigest(index)]}}
 
 

@@ -112,6 +112,7 @@ class Saver:
         self._commits: list[Future] = []
         self.failed: list[str] = []  # messages of saves that were not committed
         self.last_stall_s = 0.0
+        self.last_tensor_write: tuple[int, float] | None = None  # (bytes, seconds) of the last raw full save
         # torch_dist's async writer starts a spawn-based results queue on first use (seconds): start it
         # here, before training, instead of inside the first save's stall.
         try:
@@ -246,6 +247,8 @@ class Saver:
                 "tensor_bytes": {"written": sum(s.get("written", 0) for s in gathered),
                                  "full": sum(s.get("full", 0) for s in gathered)}}
         hashed = {rel: v for s in gathered for rel, v in s.get("files", {}).items()}  # hashed while written
+        if all("write_s" in s for s in gathered):  # raw full save: tensor bytes and the slowest rank's write
+            self.last_tensor_write = (sum(s["written"] for s in gathered), max(s["write_s"] for s in gathered))
         if isinstance(p.strategy, RawSaveStrategy):
             p.new_base = raw_snapshot(p.tmp, self.rank)
         p.info["ok"] = True
