@@ -26,7 +26,8 @@ def test_write_stream_writes_and_hashes_the_concatenation(tmp_path, monkeypatch,
     size, digest = rawfile.write_stream(path, [memoryview(p) for p in parts])
     whole = b"".join(p.tobytes() for p in parts)
     assert size == len(whole) == os.path.getsize(path)
-    assert open(path, "rb").read() == whole
+    with open(path, "rb") as f:
+        assert f.read() == whole
     assert digest == xxhash.xxh3_128_hexdigest(whole)
 
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from storage.config import ConfigError, from_dict
 from train.checkpoint import CheckpointConfig, layout, retention
 from train.checkpoint.cli import ckpt
-from train.checkpoint.incremental import PieceSet, Piece, bits, decode, encode, write_deltas
+from train.checkpoint.incremental import Piece, PieceSet, bits, decode, encode, write_deltas
 
 LOCAL = fsspec.filesystem("file")
 

@@ -23,8 +23,8 @@ import lz4.frame
 import numpy as np
 import webdataset as wds
 
-from storage.shard_writer import ShardWriter
 from storage import codec
+from storage.shard_writer import ShardWriter
 from storage.shards import ShardReader, encode_tokens, iter_shard
 
 CORPORA = Path(__file__).resolve().parents[2].parent / "shared" / "corpora"
@@ -36,7 +36,7 @@ def real_tokens(target: int) -> tuple[np.ndarray, str]:
     if not all(f.exists() for f in files):
         rng = np.random.default_rng(0)
         return (rng.zipf(1.2, target) % 49152).astype(np.uint16), "Zipf(1.2) ids, vocab 49,152 (no corpora)"
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     texts = [json.loads(line)["text"] for f in files for line in gzip.open(f, "rt")]
     tok = Tokenizer(models.BPE())

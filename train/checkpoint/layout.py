@@ -12,7 +12,6 @@ Everything here works on any fsspec filesystem, so the same verify serves local 
 """
 from __future__ import annotations
 
-import xxhash
 import json
 import os
 import re
@@ -23,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import fsspec
+import xxhash
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
