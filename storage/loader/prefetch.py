@@ -5,9 +5,10 @@ block). A block whose references reach zero stays cached (least recently used fi
 window shuffle brings the rest of its sequences back a few hundred sequences later; cached blocks are
 evicted whenever the bytes held would exceed the budget. Bytes (compressed + decoded, per block) are
 known at request time from the index and the manifest, so the planner stays under its budget before it
-asks. Blocks decode into recycled buffers (`storage.lz4_into`): an evicted block's buffer takes the next
-block, so a long run stops paying the kernel for fresh pages. Reads go through ShardReader (pread locally, fsspec range reads with retries remotely); the
-decode runs in the pool threads (python-lz4 releases the GIL).
+asks. Blocks decode into recycled buffers: an evicted block's buffer takes the next block, so a long run
+stops paying the kernel for fresh pages. Reads go through ShardReader (memory-mapped locally, fsspec
+range reads with retries remotely); the checksum and the decode run in the pool threads without the GIL
+(`storage.codec`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from storage.shards import TAR_BLOCK, ShardError, ShardReader, decode_block, decode_tokens
+from storage.shards import TAR_BLOCK, ShardError, ShardReader, decode_tokens
 
 BlockId = int  # source index << 40 | block number within the source
 _SHIFT = 40
@@ -145,9 +146,9 @@ class BlockStore:
             raise self.bad[bid]
         return self.pool.submit(self._load, bid, False).result()[0]
 
-    def _buffer(self) -> np.ndarray:
+    def _buffer(self, pooled: bool) -> np.ndarray:
         with self._lock:
-            if self._free:
+            if pooled and self._free:
                 return self._free.pop()
             if not self._buf_tokens:
                 self._buf_tokens = max(int(t.max()) for t in self.block_tokens if len(t))
@@ -166,24 +167,21 @@ class BlockStore:
         with self._lock:
             self.bytes_read += len(payload) + len(meta) + 2 * TAR_BLOCK
             self.blocks_read += 1
-        buf = self._buffer() if pooled else None
+        buf = self._buffer(pooled)
         try:
-            if buf is None:
-                tokens = decode_block(sh.url, entry.key, payload, meta, entry.tokens_offset).tokens
-            else:
-                tokens = decode_tokens(sh.url, entry.key, payload, meta, entry.tokens_offset, buf)
+            tokens = decode_tokens(sh.url, entry.key, payload, meta, entry.tokens_offset, buf)
             want = int(self.block_tokens[s][b])
             if len(tokens) != want:
                 raise ShardError(sh.url, f"block has {len(tokens)} tokens, the manifest says {want}",
                                  f"{entry.key}.tokens.lz4", entry.tokens_offset)
         except ShardError:
-            if buf is not None:
+            if pooled:
                 with self._lock:
                     self._free.append(buf)
             raise
         finally:
             sh.release(k)
-        return tokens, buf
+        return tokens, buf if pooled else None
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
