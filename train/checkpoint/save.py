@@ -31,7 +31,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from train.checkpoint import layout, state_io
 from train.checkpoint.config import CheckpointConfig
 from train.checkpoint.incremental import raw_snapshot
-from train.checkpoint.strategies import DeltaSaveStrategy, RawSaveStrategy, main_pieces, snapshot, stage, walk
+from train.checkpoint.strategies import DeltaSaveStrategy, RawSaveStrategy, main_pieces, stage, walk
 from train.state import TrainState
 
 log = logging.getLogger("train.checkpoint")
@@ -68,7 +68,7 @@ class PendingSave:
     request: AsyncRequest
     future: Future
     strategy: object
-    new_base: dict | None  # full saves: the staged values become the base of later incrementals
+    new_base: dict | None  # raw full saves: a map of the written file, the base of later incrementals
     stall_s: float
     staged_bytes: int
     info: dict = field(default_factory=dict)
@@ -133,28 +133,26 @@ class Saver:
         sd = state_io.sharded_state_dict(state, self.cfg.distrib_optim_sharding_type, is_loading=False)
         apply_factories(sd)
         try:
-            pieces = main_pieces(sd)
-        except NotImplementedError:  # flattened optimizer state: only torch_dist can write it
-            pieces = None
+            main_pieces(sd)
+            torch_dist = False
+        except NotImplementedError:  # flattened optimizer state: only torch_dist can write it (full saves)
+            torch_dist = True
         if kind == "incremental":
             strategy = DeltaSaveStrategy(self.rank, base, self.cfg.compression_level)
-        elif pieces is not None:
+        elif not torch_dist:
             strategy = RawSaveStrategy(self.rank)
         else:
             strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
         # A sync save of host tensors writes straight from them (training waits anyway). An async one copies
         # them to reused host buffers in the background: parameters and optimizer states only change in
         # the optimizer step, and the training loop calls `wait_staged` (CheckpointManager.before_update)
-        # before it. A torch_dist full save (flattened optimizer state), or state on a GPU, is staged
-        # eagerly, into fresh memory: its values also stay behind as the base of later incremental saves.
+        # before it. A torch_dist save, or state on a GPU, is staged eagerly into fresh host memory.
         staged, staging = 0, None
-        torch_dist, host = isinstance(strategy, TorchDistSaveShardedStrategy), self._host_only(sd)
+        host = self._host_only(sd)
         if self.cfg.async_save and not torch_dist and host:
             staged, staging = self._stage_lazily(sd)
         elif self.cfg.async_save or torch_dist or not host:  # our writers read host memory
             staged = stage(sd)
-            pieces = main_pieces(sd) if pieces is not None else None
-        new_base = snapshot(pieces) if isinstance(strategy, TorchDistSaveShardedStrategy) and pieces else None
         # the sharding layout is validated (an all-gather of every tensor's metadata) on a Saver's first save
         req = dist_checkpointing.save(sd, tmp, sharded_strategy=strategy, async_sharded_save=True,
                                       validate_access_integrity=not self._validated)
@@ -168,7 +166,7 @@ class Saver:
         stall = time.perf_counter() - t0
         self.last_stall_s = stall
         self.pending = PendingSave(step, kind, base_name if kind == "incremental" else None, tmp, req, future,
-                                   strategy, new_base, stall, staged, {"full_bytes": staged}, staging)
+                                   strategy, None, stall, staged, {"full_bytes": staged}, staging)
         return self.pending
 
     @staticmethod

@@ -81,11 +81,6 @@ def stage(sharded_sd: Any) -> int:
     return total
 
 
-def snapshot(pieces: list[Piece]) -> dict[tuple, np.ndarray]:
-    """Base values of pieces (bit patterns), keyed by piece identity. Shares memory with staged copies."""
-    return {p.ident: bits(p.tensor) for p in pieces}
-
-
 def map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(tree, dict):
         return {k: map_tree(v, fn) for k, v in tree.items()}
