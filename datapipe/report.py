@@ -52,6 +52,13 @@ def charts(m: Manifest, out_dir: str) -> list[str]:
 
     os.makedirs(out_dir, exist_ok=True)
     paths = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, name))
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+
     drops = {k[len("dropped_"):]: v for k, v in m.build_stats.items() if k.startswith("dropped_") and ":" not in k}
     drops["exact dup"] = m.build_stats.get("exact_duplicates", 0)
     drops["near dup"] = m.build_stats.get("near_duplicates", 0)
@@ -59,16 +66,10 @@ def charts(m: Manifest, out_dir: str) -> list[str]:
     ax.barh(list(drops), list(drops.values()), color="tab:red")
     ax.set_xlabel("documents dropped")
     ax.set_title("Documents dropped per filter")
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "drops_per_filter.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    save(fig, "drops_per_filter.png")
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar(list(m.sources), [s.tokens for s in m.sources.values()], color="tab:blue")
     ax.set_ylabel("tokens")
     ax.set_title("Tokens per source")
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "tokens_per_source.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    save(fig, "tokens_per_source.png")
     return paths
