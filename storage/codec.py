@@ -2,7 +2,7 @@
 buffer (the loader's read path), and streaming XXH3-128 (checkpoint writes).
 
 python-lz4 only returns new `bytes`, and decoding into fresh memory costs a page fault per 4 KiB, which
-on a VM roughly doubles the decode time of a 512 KiB block; the loader decodes into recycled buffers
+on a VM is a large share of a 512 KiB block's decode; the loader decodes into recycled buffers
 instead. python-xxhash holds the GIL while it hashes, which stalls the loader's packing thread behind
 the prefetch threads. Both packages ship and export the C libraries, so this module calls liblz4's
 block decoder (parsing the frame, format spec v1.6.x, in Python) and XXH3_64bits through ctypes, which
