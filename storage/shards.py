@@ -46,7 +46,10 @@ class ShardError(ValueError):
         if offset is not None:
             where += f", offset {offset}"
         super().__init__(f"{where}: {msg}")
-        self.shard, self.member, self.offset = shard, member, offset
+        self.shard, self.member, self.offset, self.msg = shard, member, offset, msg
+
+    def __reduce__(self):  # pickles with its fields (loader worker processes send it to the consumer)
+        return type(self), (self.shard, self.msg, self.member, self.offset)
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:

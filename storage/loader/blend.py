@@ -143,23 +143,25 @@ class Blend:
         run = self._run(g)
         return run.base + _counts(run.q, g - run.start)
 
-    def assign(self, g0: int, g1: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source index, source cursor) of global sequences g0 .. g1 - 1, vectorized."""
-        srcs, curs = [], []
-        g = g0
-        while g < g1:
-            run = self._run(g)
-            hi = g1 if run.stop is None else min(g1, run.stop)
+    def assign_at(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, source cursor) of each global sequence in `g`, vectorized."""
+        g = np.asarray(g, dtype=np.int64)
+        src, cur = np.empty(len(g), dtype=np.int32), np.empty(len(g), dtype=np.int64)
+        if not len(g):
+            return src, cur
+        which = np.searchsorted(self._starts, g, side="right") - 1
+        lo, hi = int(which.min()), int(which.max())
+        if lo < 0:
+            raise ValueError(f"global sequence {int(g.min())} precedes the first segment")
+        for i in range(lo, hi + 1):  # runs are contiguous: searchsorted on their starts finds each g's
+            m = slice(None) if lo == hi else which == i
+            run = self._runs[i]
             src_t, rank_t, q = greedy_table(run.q)
-            i = np.arange(g - run.start, hi - run.start, dtype=np.int64)
-            full, r = np.divmod(i, PERIOD)
+            full, r = np.divmod(g[m] - run.start, PERIOD)
             s = src_t[r]
-            srcs.append(s)
-            curs.append(run.base[s] + full * np.asarray(q, dtype=np.int64)[s] + rank_t[r])
-            g = hi
-        if not srcs:
-            return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64)
-        return np.concatenate(srcs), np.concatenate(curs)
+            src[m] = s
+            cur[m] = run.base[s] + full * np.asarray(q, dtype=np.int64)[s] + rank_t[r]
+        return src, cur
 
     def state(self) -> list[dict]:
         return [{"start": int(st), "mix": [{"name": p.name, "weights": dict(p.weights), "tokens": int(p.tokens)}

@@ -16,6 +16,8 @@ class LoaderConfig:
     shuffle_window: int = 4096           # sequences of one source shuffled together (per epoch)
     prefetch_threads: int = 0            # threads that read + verify + LZ4-decode blocks; 0: auto (see threads())
     prefetch_batches: int = 32           # batches planned (blocks requested) ahead of the one being built
+    workers: int = 0                     # batch-building processes (forked); 0: a thread in this process
+    worker_slots: int = 4                # batches each worker may have built ahead (shared-memory slots)
     max_bytes_in_flight: int = 512 << 20  # compressed + decoded block bytes the prefetcher may hold
     corruption: Literal["error", "quarantine"] = "error"
     max_substitutes: int = 8             # quarantine: epochs searched for a clean stand-in sequence
@@ -35,11 +37,28 @@ class LoaderConfig:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
         return max(1, min(8, cpus - 1))
 
+    def worker_threads(self) -> int:
+        """Prefetch threads inside a worker process: none for a local dataset on auto (the worker decodes
+        each block itself; a thread would only pass the GIL back and forth), else as threads()."""
+        from storage import fs
+        if not self.prefetch_threads and fs.is_local(self.dataset):
+            return 0
+        return self.threads()
+
     def validate(self) -> None:
         if not self.dataset:
             raise ConfigError("key 'dataset': required (a dataset folder or URL)")
         if self.prefetch_threads < 0:
             raise ConfigError(f"key 'prefetch_threads': must be >= 0 (0: auto), got {self.prefetch_threads}")
+        if self.workers < 0:
+            raise ConfigError(f"key 'workers': must be >= 0 (0: build batches in a thread), got {self.workers}")
+        if self.workers and self.backend == "dali":
+            raise ConfigError("key 'workers': worker processes need backend 'python' (a DALI pipeline does not "
+                              "survive a fork)")
+        if self.workers > 64:
+            raise ConfigError(f"key 'workers': at most 64, got {self.workers}")
+        if not 2 <= self.worker_slots <= 255:
+            raise ConfigError(f"key 'worker_slots': must be in 2..255, got {self.worker_slots}")
         for key in ("seq_len", "shuffle_window", "prefetch_batches", "max_bytes_in_flight",
                     "max_substitutes"):
             if getattr(self, key) < 1:

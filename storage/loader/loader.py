@@ -2,7 +2,8 @@
 
 Global batch i holds global sequences [start + i*G, start + (i+1)*G); rank r of W takes rows
 [r*G/W, (r+1)*G/W). A producer thread plans batches ahead (block references → prefetch pool), packs
-them and feeds a two-slot queue; the consumer only dequeues. State is the number of global sequences
+them and feeds a two-slot queue; the consumer only dequeues. With `workers` > 0, forked worker
+processes build the batches instead (`workers`). State is the number of global sequences
 consumed plus the mix segments, so a run resumes exactly with any DP size or worker count.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Self
 
 import numpy as np
@@ -24,8 +26,9 @@ from storage.loader.blend import Blend, mix_fingerprint
 from storage.loader.buffers import CudaStager, Failure, TwoSlotQueue
 from storage.loader.config import LoaderConfig
 from storage.loader.order import SourceOrder
-from storage.loader.pack import Packer, Plan, acquire, plan, release
+from storage.loader.pack import Chunk, Packer, Plan, acquire, plan, release
 from storage.loader.prefetch import BlockStore, split_id
+from storage.loader.workers import WorkerPool
 from storage.manifest import Manifest, Phase, validate_mix
 from storage.shards import TAR_BLOCK, ShardReader, parse_dtype
 
@@ -39,7 +42,7 @@ def dataset_fingerprint(m: Manifest) -> str:
     return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _block_tokens(readers: list[ShardReader], shards, pool) -> np.ndarray:
+def _block_tokens(readers: list[ShardReader], shards, store: BlockStore) -> np.ndarray:
     """Tokens per block: from the manifest when it lists them, else from each block's JSON member."""
     def one(pair):
         sh, info = pair
@@ -50,7 +53,7 @@ def _block_tokens(readers: list[ShardReader], shards, pool) -> np.ndarray:
             meta = fs.read_range(sh.url, e.meta_offset + TAR_BLOCK, e.meta_size)
             out.append(int(json.loads(meta)["n_tokens"]))
         return out
-    return np.array([n for part in pool.map(one, zip(readers, shards)) for n in part], dtype=np.int64)
+    return np.array([n for part in store.map(one, zip(readers, shards)) for n in part], dtype=np.int64)
 
 
 def natural_mix(m: Manifest) -> list[Phase]:
@@ -84,11 +87,11 @@ class TokenLoader:
             reader = DaliBlockReader(self.ds)  # raises ConfigError when DALI is absent
         self.store = BlockStore([], [], self.itemsize, cfg.threads(), cfg.max_bytes_in_flight, reader)
         # shard indexes and block tables are fetched with the prefetch pool (many small reads remotely)
-        list(self.store.pool.map(lambda sh: sh.index, [sh for rs in self.ds.readers.values() for sh in rs]))
+        self.store.map(lambda sh: sh.index, [sh for rs in self.ds.readers.values() for sh in rs])
         self.orders: list[SourceOrder] = []
         for name in self.sources:
             rs, infos = self.ds.readers[name], m.sources[name].shards
-            bt = _block_tokens(rs, infos, self.store.pool)
+            bt = _block_tokens(rs, infos, self.store)
             self.store.refs.append([(sh, k) for sh in rs for k in range(len(sh.index))])
             self.store.block_tokens.append(bt)
             self.orders.append(SourceOrder(name, bt, cfg.seq_len, cfg.seed, cfg.shuffle_window))
@@ -106,6 +109,8 @@ class TokenLoader:
         self._yielded = 0          # batches handed out by this instance since (re)start
         self._stager = CudaStager(cfg.device) if cfg.device.startswith("cuda") else None
         self._thread: threading.Thread | None = None
+        self._pool: WorkerPool | None = None  # cfg.workers > 0: processes build the batches
+        self._taken = 0  # batches taken from the current pool
         self._stop = threading.Event()
         self._buf = TwoSlotQueue(2)
         self._planned: deque[Plan] = deque()
@@ -121,53 +126,59 @@ class TokenLoader:
         return total
 
     # ---- order (pure functions, usable without reading any data) ----
-    def batch_span(self, j: int) -> tuple[int, int]:
-        """Global sequences [g0, g1) of this rank's rows in this instance's j-th batch from now."""
-        b = self.batch_offset + j * self.batch_stride
-        g0 = self.consumed + b * self.G + self.rank * self.rows
-        return g0, g0 + self.rows
-
     def assignments(self, g0: int, g1: int) -> tuple[np.ndarray, np.ndarray]:
         """(source index, cursor in that source) of global sequences [g0, g1)."""
-        return self.blend.assign(g0, g1)
+        return self.blend.assign_at(np.arange(g0, g1, dtype=np.int64))
 
     # ---- producer ----
+    @property
+    def _running(self) -> bool:
+        return self._thread is not None or self._pool is not None
+
     def _start(self) -> None:
         self.consumed += self._yielded * self.batch_stride * self.G
         self._yielded = 0
         self._frontier = [-1] * len(self.sources)
+        if self.cfg.workers:
+            self._plan(0, 1)  # fills the blend and order caches once, before the fork copies them
+            self._pool, self._taken = WorkerPool(self, self.cfg.workers, self.cfg.worker_slots), 0
+            return
         self._stop.clear()
         self._thread = threading.Thread(target=self._produce, name="smoltrain-loader", daemon=True)
         self._thread.start()
 
-    def _plan(self, j: int, n: int = 1) -> list[Plan]:
-        """Plans of this instance's batches j .. j + n - 1 (not yet holding block references)."""
-        spans = [self.batch_span(i) for i in range(j, j + n)]
-        assigned = [self.blend.assign(g0, g1) for g0, g1 in spans]
-        srcs = np.concatenate([a[0] for a in assigned])
-        curs = np.concatenate([a[1] for a in assigned])
+    def _plan(self, j: int, n: int) -> Chunk:
+        """This instance's batches j .. j + n - 1 as one chunk (not yet holding block references)."""
+        b = self.batch_offset + (j + np.arange(n, dtype=np.int64)) * self.batch_stride
+        g = (self.consumed + b * self.G + self.rank * self.rows)[:, None] + np.arange(self.rows, dtype=np.int64)
+        srcs, curs = self.blend.assign_at(g.reshape(-1))
         return plan(j, srcs, curs, self.rows, self.orders)
 
+    def _batches(self) -> Iterator[Plan]:
+        """This instance's batch plans in order. Chunks of batches are planned and their blocks requested
+        up to prefetch_batches ahead of the batch yielded, within the byte budget (at least one chunk)."""
+        j, nxt = 0, None
+        size = min(64, self.cfg.prefetch_batches)
+        while True:
+            while len(self._planned) < self.cfg.prefetch_batches:
+                if nxt is None:
+                    nxt, j = self._plan(j, size), j + size
+                if self._planned and self.store.bytes_referenced + self.store.new_cost(nxt.blocks) \
+                        > self.cfg.max_bytes_in_flight:
+                    break
+                acquire(nxt, self.store)
+                self._planned.extend(nxt.plans)
+                for s in np.unique(nxt.srcs).tolist():  # cursors rise with g within a source
+                    self._frontier[s] = int(nxt.curs[nxt.srcs == s].max())
+                self.store.sweep(self._done_with)
+                nxt = None
+            yield self._planned.popleft()
+
     def _produce(self) -> None:
-        j = 0
-        ready: deque[Plan] = deque()  # planned, not yet referencing blocks
-        chunk = min(64, self.cfg.prefetch_batches)
         try:
-            while not self._stop.is_set():
-                while len(self._planned) < self.cfg.prefetch_batches:
-                    if not ready:
-                        ready.extend(self._plan(j, chunk))
-                        j += chunk
-                    p = ready[0]
-                    if self._planned and self.store.bytes_referenced + self.store.new_cost(p.blocks) \
-                            > self.cfg.max_bytes_in_flight:
-                        break
-                    acquire(ready.popleft(), self.store)
-                    self._planned.append(p)
-                    for s, k in zip(p.srcs.tolist(), p.curs.tolist()):  # cursors rise with g per source
-                        self._frontier[s] = k
-                    self.store.sweep(self._done_with)
-                p = self._planned.popleft()
+            for p in self._batches():
+                if self._stop.is_set():
+                    return
                 out = torch.from_numpy(self.packer.assemble(p))
                 if self._stager is not None:
                     out = CudaStager.pin(out)
@@ -186,7 +197,7 @@ class TokenLoader:
         return self
 
     def __next__(self) -> torch.Tensor:
-        if self._thread is None:
+        if not self._running:
             self._start()
             self._m["t0"] = time.perf_counter()
         if self._stager is not None:
@@ -203,7 +214,13 @@ class TokenLoader:
 
     def _get(self) -> torch.Tensor:
         t = time.perf_counter()
-        item = self._buf.get(alive=lambda: self._thread is not None and self._thread.is_alive())
+        if self._pool is not None:
+            item = self._pool.take(self._taken)
+            self._taken += 1
+            if self._stager is not None:
+                item = CudaStager.pin(item)
+        else:
+            item = self._buf.get(alive=lambda: self._thread is not None and self._thread.is_alive())
         self._m["wait_s"] += time.perf_counter() - t
         if isinstance(item, Failure):
             raise item.exc
@@ -233,24 +250,31 @@ class TokenLoader:
 
     # ---- metrics / lifecycle ----
     def metrics(self) -> dict:
+        """Throughput and wait since the first batch; block and quarantine counts of the thread, or of
+        the current worker processes (summed) when cfg.workers > 0."""
         el = time.perf_counter() - self._m["t0"] if self._m["t0"] else 0.0
         seqs = self._m["sequences"]
-        return {"sequences_per_s": seqs / el if el else 0.0, "tokens_per_s": seqs * self.cfg.seq_len / el if el else 0.0,
-                "sequences": seqs, "wait_s": self._m["wait_s"], "bytes_read": self.store.bytes_read,
-                "blocks_read": self.store.blocks_read,
-                "bytes_in_flight": self.store.bytes_in_flight, "bytes_cached": self.store.bytes_idle,
-                "peak_bytes_in_flight": self.store.peak_bytes_in_flight,
-                "prefetch_depth": self._buf.qsize() + len(self._planned),
-                "quarantined_blocks": len(self.store.bad), "substituted_sequences": self.packer.substituted}
+        out = {"sequences_per_s": seqs / el if el else 0.0, "tokens_per_s": seqs * self.cfg.seq_len / el if el else 0.0,
+               "sequences": seqs, "wait_s": self._m["wait_s"]}
+        if self._pool is not None:
+            return out | self._pool.metrics() | {"prefetch_depth": self._pool.ready()}
+        return out | {"bytes_read": self.store.bytes_read, "blocks_read": self.store.blocks_read,
+                      "bytes_in_flight": self.store.bytes_in_flight, "bytes_cached": self.store.bytes_idle,
+                      "peak_bytes_in_flight": self.store.peak_bytes_in_flight,
+                      "prefetch_depth": self._buf.qsize() + len(self._planned),
+                      "quarantined_blocks": len(self.store.bad), "substituted_sequences": self.packer.substituted}
 
     def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         if self._thread is not None:
             self._stop.set()
             self._buf.drain()
             self._thread.join()
             self._thread = None
-        for p in self._planned:
-            release(p, self.store)
+        for c in {id(p.chunk): p.chunk for p in self._planned}.values():
+            release(c, self.store)
         self._planned.clear()
         self._buf.drain()
         if self._stager is not None:

@@ -1,7 +1,8 @@
 """Packing: turn a batch's (source, cursor) pairs into rows of seq_len + 1 tokens from decoded blocks.
 
-`plan` resolves all rows to block slices at once (vectorized) and `acquire` takes block references
-(so prefetching starts); `assemble` copies the slices into one int64 array and drops the references.
+`plan` resolves a chunk of batches to block slices at once (vectorized) and `acquire` takes the chunk's
+block references (so prefetching starts); `assemble` copies one batch's slices into one int64 array, and
+the chunk's references drop after its last batch.
 Under the `quarantine` policy a row that touches a corrupt block is replaced by the same source position
 in the next epoch (k + n_seq, k + 2 n_seq, ...) whose blocks decode: a pure function of the data, so
 every rank (and a rerun) makes the same choice without talking to the others.
@@ -9,7 +10,7 @@ every rank (and a rerun) makes the same choice without talking to the others.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,17 +28,34 @@ class Plan:
     batch: int            # loader-local batch number
     srcs: np.ndarray      # source of each row
     curs: np.ndarray      # cursor (draw number within its source) of each row
-    blocks: list[BlockId]  # distinct block ids ...
-    uses: list[int]       # ... and the references each takes
-    piece_block: list[int]  # per piece: index into `blocks`,
+    chunk: Chunk          # the chunk holding this batch's block references
+    blocks: list[int]     # the blocks this batch reads, as indices into chunk.blocks
+    piece_block: list[int]  # per piece: index into chunk.blocks,
     start: list[int]      # first token in the block,
     stop: list[int]       # stop token in the block,
     row: np.ndarray       # and its row (for the quarantine path)
 
 
-def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list[SourceOrder]) -> list[Plan]:
-    """Plans of batches first, first + 1, ... whose rows (`rows` each) are srcs/curs, resolved in one pass
-    (the numpy calls cost the same for one batch or many, so callers plan many batches at once)."""
+@dataclass
+class Chunk:
+    """Consecutive batches planned together. They hold one reference on every block any of them reads,
+    taken before the first is built and dropped after the last, so the per-block bookkeeping (reference
+    counts, waiting for the read, the decoded array) is paid once per chunk instead of once per batch:
+    with the window shuffle every batch reads ~20 blocks, and most of them again in the next batch."""
+    blocks: list[BlockId]  # distinct blocks, ascending
+    plans: list[Plan]
+    srcs: np.ndarray      # source and cursor of every row of every batch, in order
+    curs: np.ndarray
+    tokens: list = field(default_factory=list)  # per block: None until fetched, then its tokens or BAD
+    pending: int = 0      # batches not yet built; the references drop when it reaches 0
+
+
+BAD = np.empty(0, dtype=np.int64)  # stands for a corrupt block in Chunk.tokens (quarantine policy)
+
+
+def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list[SourceOrder]) -> Chunk:
+    """The chunk of batches first, first + 1, ... whose rows (`rows` each) are srcs/curs, resolved in one
+    vectorized pass."""
     parts = []
     for s in np.unique(srcs):
         idx = np.flatnonzero(srcs == s)
@@ -48,27 +66,29 @@ def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list
     grow, bid, start, stop = grow[order], bid[order], start[order], stop[order]
     n_batches = len(srcs) // rows
     batch = grow // rows
-    # distinct (batch, block) pairs, each batch's in ascending block order
     distinct, dense = np.unique(bid, return_inverse=True)
-    pair, pair_of_piece, uses = np.unique(batch * len(distinct) + dense, return_inverse=True, return_counts=True)
+    # each batch's distinct blocks: distinct (batch, block) pairs, in ascending order
+    pair = np.unique(batch * len(distinct) + dense)
     pair_cut = np.searchsorted(pair, np.arange(n_batches + 1) * len(distinct))
     piece_cut = np.searchsorted(batch, np.arange(n_batches + 1))
-    local = pair_of_piece - pair_cut[batch]
-    pair_bid = distinct[pair % len(distinct)]
-    plans = []
+    pair_block = pair % len(distinct)
+    chunk = Chunk(distinct.tolist(), [], srcs, curs, [None] * len(distinct), n_batches)
     for i in range(n_batches):
-        ps, pp, rs = slice(piece_cut[i], piece_cut[i + 1]), slice(pair_cut[i], pair_cut[i + 1]), slice(i * rows, (i + 1) * rows)
-        plans.append(Plan(first + i, srcs[rs], curs[rs], pair_bid[pp].tolist(), uses[pp].tolist(),
-                          local[ps].tolist(), start[ps].tolist(), stop[ps].tolist(), grow[ps] - i * rows))
-    return plans
+        ps, rs = slice(piece_cut[i], piece_cut[i + 1]), slice(i * rows, (i + 1) * rows)
+        chunk.plans.append(Plan(first + i, srcs[rs], curs[rs], chunk, pair_block[pair_cut[i]:pair_cut[i + 1]].tolist(),
+                                dense[ps].tolist(), start[ps].tolist(), stop[ps].tolist(), grow[ps] - i * rows))
+    return chunk
 
 
-def acquire(p: Plan, store: BlockStore) -> None:
-    store.acquire(p.blocks, p.uses)
+def acquire(c: Chunk, store: BlockStore) -> None:
+    store.acquire(c.blocks, [1] * len(c.blocks))
 
 
-def release(p: Plan, store: BlockStore) -> None:
-    store.release(p.blocks, p.uses)
+def release(c: Chunk, store: BlockStore) -> None:
+    """Drop the chunk's references (once, whether or not all its batches were built)."""
+    if c.tokens is not None:
+        c.tokens = None
+        store.release(c.blocks, [1] * len(c.blocks))
 
 
 class Packer:
@@ -78,34 +98,43 @@ class Packer:
         self.policy, self.max_substitutes = policy, max_substitutes
         self.substituted = 0
 
-    def assemble(self, p: Plan) -> np.ndarray:
-        out = np.empty((len(p.srcs), self.width), dtype=np.int64)
+    def assemble(self, p: Plan, out: np.ndarray | None = None) -> np.ndarray:
+        """Batch `p` as int64 [rows, seq_len + 1], written into `out` when given."""
+        c = p.chunk
+        if out is None:
+            out = np.empty((len(p.srcs), self.width), dtype=np.int64)
         try:
-            tokens = [self._get(bid) for bid in p.blocks]
-            if all(t is not None for t in tokens):
-                # one C call copies (and widens) every piece into place
+            tokens, bad = c.tokens, False
+            for i in p.blocks:
+                t = tokens[i]
+                if t is None:
+                    t = tokens[i] = self._get(c.blocks[i])
+                bad = bad or t is BAD
+            if not bad:  # one C call copies (and widens) every piece into place
                 np.concatenate([tokens[i][a:z] for i, a, z in zip(p.piece_block, p.start, p.stop)],
                                out=out.reshape(-1))
             else:
                 self._assemble_around_bad(p, tokens, out)
         finally:
-            release(p, self.store)
+            c.pending -= 1
+            if c.pending == 0:
+                release(c, self.store)
         return out
 
-    def _get(self, bid: BlockId) -> np.ndarray | None:
-        """The block's tokens; None for a corrupt block under the quarantine policy."""
+    def _get(self, bid: BlockId) -> np.ndarray:
+        """The block's tokens; BAD for a corrupt block under the quarantine policy."""
         try:
             return self.store.get(bid)
         except ShardError as e:
             if self.policy != "quarantine":
                 raise
             self._mark_bad(bid, e)
-            return None
+            return BAD
 
-    def _assemble_around_bad(self, p: Plan, tokens: list[np.ndarray | None], out: np.ndarray) -> None:
+    def _assemble_around_bad(self, p: Plan, tokens: list[np.ndarray], out: np.ndarray) -> None:
         flat, pos, bad_rows = out.reshape(-1), 0, set()
         for i, a, z, r in zip(p.piece_block, p.start, p.stop, p.row.tolist()):
-            if tokens[i] is None:
+            if tokens[i] is BAD:
                 bad_rows.add(r)
             else:
                 flat[pos:pos + z - a] = tokens[i][a:z]

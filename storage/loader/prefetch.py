@@ -8,7 +8,9 @@ known at request time from the index and the manifest, so the planner stays unde
 asks. Blocks decode into recycled buffers: an evicted block's buffer takes the next block, so a long run
 stops paying the kernel for fresh pages. Reads go through ShardReader (memory-mapped locally, fsspec
 range reads with retries remotely); the checksum and the decode run in the pool threads without the GIL
-(`storage.codec`).
+(`storage.codec`). With `threads=0` there is no pool: a block is read and decoded by the thread that
+first asks for it (what a batch-building worker process does with a local dataset, where a second
+thread would only pass the GIL back and forth).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def split_id(bid: BlockId) -> tuple[int, int]:
 
 @dataclass
 class _Entry:
-    future: Future
+    future: Future | None  # None without a pool: loaded on first get()
     refs: int
     nbytes: int
     tokens: np.ndarray | None = None
@@ -47,9 +49,10 @@ class BlockStore:
     def __init__(self, refs: list[list[tuple[ShardReader, int]]], block_tokens: list[np.ndarray],
                  itemsize: int, threads: int, max_bytes: int, reader=None):
         """`refs[s][b]` = (shard reader, block index in that shard) of block b of source s; `reader`
-        (optional) replaces ShardReader.read_raw, e.g. with DALI's."""
+        (optional) replaces ShardReader.read_raw, e.g. with DALI's; `threads=0`: load in the asking thread."""
         self.refs, self.block_tokens, self.itemsize = refs, block_tokens, itemsize
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smoltrain-prefetch")
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="smoltrain-prefetch") \
+            if threads else None
         self._read_raw = reader or (lambda sh, k: sh.read_raw(k, zero_copy=True))
         self.max_bytes = max_bytes
         self._entries: dict[BlockId, _Entry] = {}
@@ -88,7 +91,8 @@ class BlockStore:
                 if e is None:
                     nbytes = self.cost(bid)
                     self._evict(nbytes)
-                    e = self._entries[bid] = _Entry(self.pool.submit(self._load, bid), 0, nbytes)
+                    future = self.pool.submit(self._load, bid) if self.pool else None
+                    e = self._entries[bid] = _Entry(future, 0, nbytes)
                     self.bytes_in_flight += nbytes
                     self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self.bytes_in_flight)
                 elif bid in self._idle:
@@ -120,14 +124,14 @@ class BlockStore:
         e = self._entries.pop(bid)
         self.bytes_idle -= e.nbytes
         self.bytes_in_flight -= e.nbytes
-        if e.buf is not None and e.future.done():  # a cancelled plan's read may still be writing
+        if e.buf is not None and (e.future is None or e.future.done()):  # a cancelled plan's read may still be writing
             self._free.append(e.buf)
 
     def get(self, bid: BlockId) -> np.ndarray:
         """The block's tokens (waits for its read); raises ShardError for a corrupt block."""
         e = self._entries[bid]
         if e.tokens is None:
-            e.tokens, e.buf = e.future.result()
+            e.tokens, e.buf = e.future.result() if e.future else self._load(bid)
         return e.tokens
 
     def release(self, bids: list[BlockId], uses: list[int]) -> None:
@@ -144,7 +148,7 @@ class BlockStore:
         """Read a block outside the reference counting (quarantine stand-ins); raises ShardError."""
         if bid in self.bad:
             raise self.bad[bid]
-        return self.pool.submit(self._load, bid, False).result()[0]
+        return self._load(bid, False)[0]
 
     def _buffer(self, pooled: bool) -> np.ndarray:
         with self._lock:
@@ -183,8 +187,13 @@ class BlockStore:
             sh.release(k)
         return tokens, buf if pooled else None
 
+    def map(self, fn, items) -> list:
+        """fn over items, on the pool when there is one (many small reads of a remote dataset)."""
+        return list(self.pool.map(fn, items) if self.pool else map(fn, items))
+
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.pool:
+            self.pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._entries.clear()
             self._idle.clear()

@@ -19,7 +19,7 @@ def test_phase_proportions_within_one_percent_over_10k():
               Phase("p3", {"code": 1.0, "math": 3.0}, 1)]
     b = Blend(SOURCES, seq_len)
     b.add_segment(0, phases)
-    src, cur = b.assign(0, 30_000)
+    src, cur = b.assign_at(np.arange(30_000))
     for i, ph in enumerate(phases):
         got = np.bincount(src[i * 10_000:(i + 1) * 10_000], minlength=3) / 10_000
         want = np.array([ph.weights.get(s, 0.0) for s in SOURCES])
@@ -43,9 +43,9 @@ def test_greedy_assignment_is_low_discrepancy():
 def test_random_access_matches_sequential_assignment():
     b = Blend(SOURCES, 10)
     b.add_segment(0, [Phase("x", {"web": 1, "code": 2}, 777), Phase("y", {"math": 1, "web": 1}, 5)])
-    src, cur = b.assign(0, PERIOD + 500)
+    src, cur = b.assign_at(np.arange(PERIOD + 500))
     for g in (0, 77, 78, PERIOD - 1, PERIOD + 123):
-        s1, k1 = b.assign(g, g + 1)
+        s1, k1 = b.assign_at(np.array([g]))
         assert (s1[0], k1[0]) == (src[g], cur[g])
         assert b.cursors(g)[src[g]] == cur[g]
 

@@ -58,7 +58,7 @@ def test_mix_change_at_resume_applies_from_that_step(mixed_ds, loader_factory, l
     assert abs(share[2] - 0.8) < 0.02, share
     # no sequence repeated or skipped: each source's cursors over the whole run are 0..n-1
     blend = resumed[0].blend
-    s_all, k_all = blend.assign(0, (stop + steps) * G)
+    s_all, k_all = blend.assign_at(np.arange((stop + steps) * G))
     for s in range(3):
         ks = np.sort(k_all[s_all == s])
         assert np.array_equal(ks, np.arange(len(ks)))

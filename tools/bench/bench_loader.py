@@ -1,13 +1,17 @@
 """Streaming loader vs stock webdataset vs raw tar read + decode: tokens/s into packed batches, same run.
 
-All three paths read the same shards (one source, real BPE tokens when ../shared/corpora is present)
-from the page cache, LZ4-decode every block and pack sequences of seq_len + 1 tokens (stride seq_len)
-into int64 batches [batch, seq_len + 1]:
-- ours: `storage.loader.TokenLoader` (shuffled global order, prefetch threads, checksum verified);
+All paths read the same shards (one source, real BPE tokens when ../shared/corpora is present) from
+the page cache, LZ4-decode every block and pack sequences of seq_len + 1 tokens (stride seq_len) into
+int64 batches [batch, seq_len + 1]:
+- ours (thread): `storage.loader.TokenLoader` as configured by default (shuffled global order, a
+  producer thread, prefetch threads, xxh3 of every block checked);
+- ours (N worker processes): the same with `workers: N` (forked processes, shared-memory ring);
 - webdataset: `wds.WebDataset(shards)` + `lz4.frame.decompress` + the same packing, in order;
+- webdataset in a torch DataLoader with N workers (webdataset splits the shards over the workers);
 - raw: read each shard file whole, slice members by the index, decompress, pack; one thread, in order.
-Then, ours alone: throughput and RSS per 10k sequences over a long run (flatness), and consumer wait
-with a simulated 50 ms training step.
+Each run is one pass over the data; the time to the first batch (start-up) and the throughput after it
+are reported apart, since a training run pays the start-up once. Then, ours alone: throughput and RSS
+per 10k sequences over a long run (flatness), and consumer wait with a simulated 50 ms training step.
 
     python tools/bench/bench_loader.py [--runs 5] [--long 200000] [--append docs/benchmarks.md]
 """
@@ -18,6 +22,7 @@ import dataclasses
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import tempfile
@@ -66,19 +71,15 @@ class Packer:
         self.buf = buf[n * self.L:]
 
 
-def peer_webdataset(shards: list[str], seq_len: int, batch: int, n_batches: int) -> int:
-    p, got = Packer(seq_len, batch), 0
+def webdataset_batches(shards: list[str], seq_len: int, batch: int):
+    p = Packer(seq_len, batch)
     for s in wds.WebDataset(shards, shardshuffle=False):
         json.loads(s["json"])
-        for _ in p.add(np.frombuffer(lz4.frame.decompress(s["tokens.lz4"]), "<u2")):
-            got += 1
-            if got == n_batches:
-                return got
-    return got
+        yield from p.add(np.frombuffer(lz4.frame.decompress(s["tokens.lz4"]), "<u2"))
 
 
-def raw_read(shards: list[str], seq_len: int, batch: int, n_batches: int) -> int:
-    p, got = Packer(seq_len, batch), 0
+def raw_batches(shards: list[str], seq_len: int, batch: int):
+    p = Packer(seq_len, batch)
     for url in shards:
         with open(url, "rb") as f:
             data = memoryview(f.read())
@@ -86,29 +87,63 @@ def raw_read(shards: list[str], seq_len: int, batch: int, n_batches: int) -> int
             index = parse_index(f.read(), url)
         for e in index:
             payload = data[e.tokens_offset + TAR_BLOCK: e.tokens_offset + TAR_BLOCK + e.tokens_size]
-            for _ in p.add(np.frombuffer(lz4.frame.decompress(payload), "<u2")):
-                got += 1
-                if got == n_batches:
-                    return got
-    return got
+            yield from p.add(np.frombuffer(lz4.frame.decompress(payload), "<u2"))
 
 
-def ours(cfg: LoaderConfig, batch: int, n_batches: int) -> int:
+class _WdsBatches(torch.utils.data.IterableDataset):
+    """webdataset + LZ4 + the same packing inside each DataLoader worker (webdataset splits shards by worker)."""
+
+    def __init__(self, shards: list[str], seq_len: int, batch: int):
+        super().__init__()
+        self.shards, self.seq_len, self.batch = shards, seq_len, batch
+
+    def __iter__(self):
+        return webdataset_batches(self.shards, self.seq_len, self.batch)
+
+
+def webdataset_dataloader_batches(shards: list[str], seq_len: int, batch: int, workers: int):
+    yield from torch.utils.data.DataLoader(_WdsBatches(shards, seq_len, batch), batch_size=None, num_workers=workers)
+
+
+def our_batches(cfg: LoaderConfig, batch: int):
     with TokenLoader(cfg, batch) as loader:
-        for _ in range(n_batches):
-            next(loader)
-    return n_batches
+        yield from loader
+
+
+def timed(batches, n_batches: int) -> tuple[float, float]:
+    """(seconds to the first batch, seconds for the n_batches - 1 after it), closing the source after."""
+    t0 = time.perf_counter()
+    got = 0
+    for _ in batches:
+        got += 1
+        if got == 1:
+            t1 = time.perf_counter()
+        if got == n_batches:
+            break
+    t2 = time.perf_counter()
+    batches.close()
+    assert got == n_batches, got
+    return t1 - t0, t2 - t1
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process and of its finished children (worker processes are joined at close)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=128 * 262_144)
+    ap.add_argument("--tokens", type=int, default=512 * 262_144)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="prefetch threads (0: the loader's auto choice)")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes of the 'ours, workers' path and of "
+                    "the webdataset DataLoader path")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--long", type=int, default=200_000, help="sequences for the flatness run (0: skip)")
-    ap.add_argument("--long-cache-mib", type=int, default=38, help="max_bytes_in_flight of the long run, MiB")
+    ap.add_argument("--long-cache-mib", type=int, default=128, help="max_bytes_in_flight of the long runs, MiB "
+                    "(below the dataset's size, above two shuffle windows' blocks)")
     ap.add_argument("--append", help="append a results section to this markdown file")
     args = ap.parse_args()
 
@@ -122,53 +157,74 @@ def main() -> None:
     n_batches = int(n_seq * 0.95) // args.batch  # one pass; the in-order peers cannot wrap around
     cfg = LoaderConfig(dataset=root, seq_len=args.seq_len, prefetch_threads=args.threads)
     args.threads = cfg.threads()
-    paths = {"ours": lambda: ours(cfg, args.batch, n_batches),
-             "webdataset": lambda: peer_webdataset(shards, args.seq_len, args.batch, n_batches),
-             "raw": lambda: raw_read(shards, args.seq_len, args.batch, n_batches)}
-    times: dict[str, list[float]] = {k: [] for k in paths}
+    cfg_w = dataclasses.replace(cfg, workers=args.workers)
+    paths = {"ours (thread)": lambda: our_batches(cfg, args.batch),
+             f"ours ({args.workers} worker processes)": lambda: our_batches(cfg_w, args.batch),
+             "webdataset": lambda: webdataset_batches(shards, args.seq_len, args.batch),
+             f"webdataset in a DataLoader, {args.workers} workers":
+                 lambda: webdataset_dataloader_batches(shards, args.seq_len, args.batch, args.workers),
+             "raw read + decode": lambda: raw_batches(shards, args.seq_len, args.batch)}
+    first: dict[str, list[float]] = {k: [] for k in paths}
+    rest: dict[str, list[float]] = {k: [] for k in paths}
     cpu: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(args.runs):  # interleaved, so background load hits every path alike
         for name, fn in paths.items():
-            t, c = time.perf_counter(), time.process_time()
-            assert fn() == n_batches, name
-            times[name].append(time.perf_counter() - t)
-            cpu[name].append(time.process_time() - c)
+            c = cpu_s()
+            t1, t2 = timed(fn(), n_batches)
+            first[name].append(t1)
+            rest[name].append(t2)
+            cpu[name].append(cpu_s() - c)
     tok = n_batches * args.batch * args.seq_len
-    rate = {k: tok / statistics.median(v) for k, v in times.items()}
+    steady = {k: (tok - args.batch * args.seq_len) / statistics.median(v) for k, v in rest.items()}
+    whole = {k: tok / statistics.median([a + b for a, b in zip(first[k], rest[k])]) for k in paths}
     cpu_rate = {k: tok / statistics.median(v) for k, v in cpu.items()}
+    ours_t, ours_w, peer, peer_w, raw = paths
 
-    # a cache budget below the dataset's size, so every epoch reads and decodes its blocks again
-    cfg_long = dataclasses.replace(cfg, max_bytes_in_flight=args.long_cache_mib << 20)
-    long = run_bench(cfg_long, args.batch, args.long, 10_000) if args.long else None
-    waited = run_bench(cfg, args.batch, 200 * args.batch, 10**9, step_s=0.05)
+    # a cache budget below the dataset's size: every epoch reads and decodes its blocks again
+    longs, waits = {}, {}
+    for name, c in ((ours_t, cfg), (ours_w, cfg_w)):
+        if args.long:
+            longs[name] = run_bench(dataclasses.replace(c, max_bytes_in_flight=args.long_cache_mib << 20),
+                                    args.batch, args.long, 10_000)
+        waits[name] = run_bench(c, args.batch, 200 * args.batch, 10**9, step_s=0.05)
     shutil.rmtree(tmp)
 
-    lines = [f"| {name} | {rate[name] / 1e6:.1f} | {rate['ours'] / rate[name]:.2f} | {cpu_rate[name] / 1e6:.1f} | "
-             f"{cpu_rate['ours'] / cpu_rate[name]:.2f} |" for name in paths]
-    summary = (f"ours / webdataset = {rate['ours'] / rate['webdataset']:.2f}x (goal >= 2); ours / raw read + decode "
-               f"= {rate['ours'] / rate['raw']:.2f}x (goal >= 0.8); consumer wait with a 50 ms step: "
-               f"{100 * waited['wait_fraction_of_step']:.2f} % of step time over 200 steps (goal < 1 %)")
-    if long:
-        w = [r["tokens_per_s"] / 1e6 for r in long["windows"][1:-1]]
-        c = [1000 * r["cpu_s_per_1k_seq"] for r in long["windows"][1:-1]]
-        summary += (f"; long run ({args.long:,} sequences, {args.long_cache_mib} MiB block budget so every epoch "
-                    f"re-reads): {long['tokens_per_s'] / 1e6:.1f} Mtok/s overall; per window of 10k sequences "
-                    f"(first and last left out) wall throughput min/median/max {min(w):.1f}/{statistics.median(w):.1f}/"
-                    f"{max(w):.1f} Mtok/s (peak-to-peak {100 * long['throughput_spread']:.0f} % of the mean, goal "
-                    f"+-5 %), CPU ms per 1k sequences {min(c):.0f}/{statistics.median(c):.0f}/{max(c):.0f} "
-                    f"(peak-to-peak {100 * long['cpu_per_sequence_spread']:.0f} %); RSS {long['rss_mib_first']:.0f} → "
-                    f"{long['rss_mib_last']:.0f} MiB. Per window, in order: Mtok/s {' '.join(f'{x:.0f}' for x in w)}; "
-                    f"CPU ms per 1k sequences {' '.join(f'{x:.0f}' for x in c)}")
+    lines = [f"| {k} | {1e3 * statistics.median(first[k]):.1f} | {steady[k] / 1e6:.1f} | {whole[k] / 1e6:.1f} | "
+             f"{cpu_rate[k] / 1e6:.1f} | {steady[ours_w] / steady[k]:.2f} | {steady[ours_t] / steady[k]:.2f} |"
+             for k in paths]
+    summary = [f"- after the first batch: {ours_w} / webdataset = **{steady[ours_w] / steady[peer]:.2f}x**, "
+               f"{ours_t} / webdataset = {steady[ours_t] / steady[peer]:.2f}x (goal >= 2); {ours_w} / webdataset in a "
+               f"DataLoader with {args.workers} workers = {steady[ours_w] / steady[peer_w]:.2f}x; ours / raw read + "
+               f"decode = {steady[ours_w] / steady[raw]:.2f}x (workers), {steady[ours_t] / steady[raw]:.2f}x (thread) "
+               "(goal >= 0.8)",
+               f"- including the first batch (one pass of {n_batches} batches per run): {ours_w} / webdataset = "
+               f"{whole[ours_w] / whole[peer]:.2f}x, {ours_t} / webdataset = {whole[ours_t] / whole[peer]:.2f}x"]
+    for name in (ours_t, ours_w):
+        summary.append(f"- consumer wait with a 50 ms step, {name}: {100 * waits[name]['wait_fraction_of_step']:.2f} % "
+                       "of step time over 200 steps (goal < 1 %)")
+        long = longs.get(name)
+        if long:
+            w = [r["tokens_per_s"] / 1e6 for r in long["windows"][1:-1]]
+            c = [1000 * r["cpu_s_per_1k_seq"] for r in long["windows"][1:-1]]
+            summary.append(
+                f"- long run, {name} ({args.long:,} sequences, {args.long_cache_mib} MiB block budget so every epoch "
+                f"re-reads): {long['tokens_per_s'] / 1e6:.1f} Mtok/s overall; per window of 10k sequences (first and "
+                f"last left out) wall throughput min/median/max {min(w):.1f}/{statistics.median(w):.1f}/{max(w):.1f} "
+                f"Mtok/s (peak-to-peak {100 * long['throughput_spread']:.0f} % of the mean, goal +-5 %), consumer CPU "
+                f"ms per 1k sequences {min(c):.1f}/{statistics.median(c):.1f}/{max(c):.1f}; RSS "
+                f"{long['rss_mib_first']:.0f} → {long['rss_mib_last']:.0f} MiB. Per window, in order: Mtok/s "
+                f"{' '.join(f'{x:.0f}' for x in w)}")
     report = "\n".join([
         f"### Streaming loader vs webdataset vs raw read ({date.today()})", "",
         (f"Command: `python tools/bench/bench_loader.py --runs {args.runs} --long {args.long}`; machine: "
         f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
         f"data: {origin}; {len(shards)} shards, {ds.manifest.total_tokens:,} tokens; seq_len {args.seq_len}, "
-        f"batch {args.batch}, {n_batches} batches per path per run, ours with {args.threads} prefetch threads; "
-        f"files in page cache; median of {args.runs} interleaved runs; machine load average at the start "
-        f"{os.getloadavg()[0]:.1f} (other jobs share these cores, so the CPU-time column is the steadier one)."), "",
-        "| path | Mtok/s into batches (wall) | ours / path | Mtok per CPU-second (all threads) | ours / path |",
-        "|---|---|---|---|---|", *lines, "", summary, ""])
+        f"batch {args.batch}, {n_batches} batches per path per run (one pass), ours (thread) with {args.threads} "
+        f"prefetch threads; files in page cache; medians of {args.runs} interleaved runs; CPU time includes worker "
+        f"processes; machine load average at the start {os.getloadavg()[0]:.1f}."), "",
+        "| path | first batch ms | Mtok/s after the first batch | Mtok/s incl. the first batch | Mtok per CPU-second | "
+        "ours (workers) / path, after the first batch | ours (thread) / path |",
+        "|---|---|---|---|---|---|---|", *lines, "", *summary, ""])
     print(report)
     if args.append:
         with open(args.append, "a") as f:
