@@ -16,6 +16,18 @@ from storage.loader.config import LoaderConfig
 from storage.loader.loader import TokenLoader
 
 
+def _rss_anon_mib() -> float | None:
+    """Anonymous (heap) resident MiB: RSS without the mapped shard pages, which the kernel may drop any time."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def run_bench(cfg: LoaderConfig, global_batch: int, sequences: int, every: int, step_s: float = 0.0,
               echo=None) -> dict:
     proc = psutil.Process()
@@ -37,6 +49,7 @@ def run_bench(cfg: LoaderConfig, global_batch: int, sequences: int, every: int, 
                        "tokens_per_s": (n - last_n) * cfg.seq_len / (now - last_t),
                        "cpu_s_per_1k_seq": (cpu - last_c) / (n - last_n) * 1000,
                        "wait_s": m["wait_s"] - last_wait, "rss_mib": proc.memory_info().rss / 2**20,
+                       "rss_anon_mib": _rss_anon_mib(),
                        "bytes_in_flight": m["bytes_in_flight"]}
                 rows.append(row)
                 windows.append(row)
@@ -58,6 +71,7 @@ def run_bench(cfg: LoaderConfig, global_batch: int, sequences: int, every: int, 
             "wait_fraction_of_step": (m["wait_s"] / step_total) if step_total else None,
             "throughput_spread": spread("tokens_per_s"), "cpu_per_sequence_spread": spread("cpu_s_per_1k_seq"),
             "rss_mib_first": rows[0]["rss_mib"], "rss_mib_last": rows[-1]["rss_mib"],
+            "rss_anon_mib_first": rows[0]["rss_anon_mib"], "rss_anon_mib_last": rows[-1]["rss_anon_mib"],
             "bytes_read": m["bytes_read"], "quarantined_blocks": m["quarantined_blocks"], "windows": rows}
 
 
@@ -68,15 +82,19 @@ def run_bench(cfg: LoaderConfig, global_batch: int, sequences: int, every: int, 
 @click.option("--sequences", default=200_000, show_default=True, help="Sequences to draw in all.")
 @click.option("--every", default=10_000, show_default=True, help="Report a window every N sequences.")
 @click.option("--threads", default=0, show_default=True, help="Prefetch threads (0: auto, see LoaderConfig.threads).")
+@click.option("--decode-processes", default=-1, show_default=True, help="Decode processes (-1: auto, 0: threads).")
+@click.option("--workers", default=0, show_default=True, help="Batch-building worker processes (0: a thread).")
 @click.option("--step-ms", default=0.0, show_default=True, help="Simulated training step between batches.")
 @click.option("--seed", default=1234, show_default=True)
 @click.option("--max-bytes", default=512 << 20, show_default=True, help="max_bytes_in_flight (block cache budget).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def bench_loader(dataset: str, seq_len: int, global_batch: int, sequences: int, every: int, threads: int,
+                 decode_processes: int, workers: int,
                  step_ms: float, seed: int, max_bytes: int, as_json: bool) -> None:
     """Measure the streaming loader alone on DATASET (path or URL): throughput, consumer wait and RSS per
     window of --every sequences, to show both speed and that neither drifts over a long run."""
     cfg = LoaderConfig(dataset=dataset, seq_len=seq_len, seed=seed, prefetch_threads=threads,
+                       decode_processes=decode_processes, workers=workers,
                        max_bytes_in_flight=max_bytes)
     if not as_json:
         click.echo(f"{'sequences':>10}{'seq/s':>10}{'Mtok/s':>9}{'CPU ms/1k':>10}{'wait s':>9}{'RSS MiB':>9}")

@@ -110,7 +110,7 @@ class TokenLoader:
         self._stager = CudaStager(cfg.device) if cfg.device.startswith("cuda") else None
         self._thread: threading.Thread | None = None
         self._pool: WorkerPool | None = None  # cfg.workers > 0: processes build the batches
-        self._taken = 0  # batches taken from the current pool
+        self._part: tuple[int, int] | None = None  # in worker process p of n: (p, n), see workers
         self._stop = threading.Event()
         self._buf = TwoSlotQueue(2)
         self._planned: deque[Plan] = deque()
@@ -141,8 +141,10 @@ class TokenLoader:
         self._frontier = [-1] * len(self.sources)
         if self.cfg.workers:
             self._plan(0, 1)  # fills the blend and order caches once, before the fork copies them
-            self._pool, self._taken = WorkerPool(self, self.cfg.workers, self.cfg.worker_slots), 0
+            self._pool = WorkerPool(self, self.cfg.workers, self.cfg.worker_slots)
             return
+        if self.cfg.decoders() and self.store.decoder is None:
+            self.store.use_decoders(self.cfg.decoders())
         self._stop.clear()
         self._thread = threading.Thread(target=self._produce, name="smoltrain-loader", daemon=True)
         self._thread.start()
@@ -152,7 +154,7 @@ class TokenLoader:
         b = self.batch_offset + (j + np.arange(n, dtype=np.int64)) * self.batch_stride
         g = (self.consumed + b * self.G + self.rank * self.rows)[:, None] + np.arange(self.rows, dtype=np.int64)
         srcs, curs = self.blend.assign_at(g.reshape(-1))
-        return plan(j, srcs, curs, self.rows, self.orders)
+        return plan(j, srcs, curs, self.rows, self.orders, self._part)
 
     def _batches(self) -> Iterator[Plan]:
         """This instance's batch plans in order. Chunks of batches are planned and their blocks requested
@@ -215,8 +217,7 @@ class TokenLoader:
     def _get(self) -> torch.Tensor:
         t = time.perf_counter()
         if self._pool is not None:
-            item = self._pool.take(self._taken)
-            self._taken += 1
+            item = self._pool.take()
             if self._stager is not None:
                 item = CudaStager.pin(item)
         else:
@@ -257,7 +258,7 @@ class TokenLoader:
         out = {"sequences_per_s": seqs / el if el else 0.0, "tokens_per_s": seqs * self.cfg.seq_len / el if el else 0.0,
                "sequences": seqs, "wait_s": self._m["wait_s"]}
         if self._pool is not None:
-            return out | self._pool.metrics() | {"prefetch_depth": self._pool.ready()}
+            return out | self._pool.metrics() | {"prefetch_depth": self._pool.ready_batches()}
         return out | {"bytes_read": self.store.bytes_read, "blocks_read": self.store.blocks_read,
                       "bytes_in_flight": self.store.bytes_in_flight, "bytes_cached": self.store.bytes_idle,
                       "peak_bytes_in_flight": self.store.peak_bytes_in_flight,

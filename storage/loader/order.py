@@ -76,19 +76,29 @@ class SourceOrder:
         w, o = divmod(j, self.window)
         return e, w * self.window + int(self._window(e, w)[o])
 
+    def _in_window(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(epoch, window, position within the window before the shuffle) of cursors ks, vectorized."""
+        e, j = np.divmod(ks, self.n_seq)
+        w, o = np.divmod(j, self.window)
+        pos = np.empty_like(ks)
+        pair = e * (self.n_seq // self.window + 2) + w
+        for pv in np.unique(pair):
+            m = pair == pv
+            pos[m] = self._window(int(e[m][0]), int(w[m][0]))[o[m]]
+        return e, w, pos
+
+    def part_of(self, ks: np.ndarray, parts: int) -> np.ndarray:
+        """Which of `parts` contiguous stretches of its shuffle window each sequence (cursor) comes from.
+        Worker processes split every batch this way, so each reads about 1/parts of a window's blocks."""
+        _, w, pos = self._in_window(np.asarray(ks, dtype=np.int64))
+        return pos * parts // np.minimum(self.window, self.n_seq - w * self.window)
+
     def locate(self, ks: np.ndarray) -> tuple[np.ndarray, ...]:
         """Where sequences ks (cursors) lie, vectorized: arrays (which, block, start, stop, dst) with one
         entry per block slice; `which` indexes ks, `dst` is the slice's offset within its row."""
         ks = np.asarray(ks, dtype=np.int64)
-        e, j = np.divmod(ks, self.n_seq)
-        w, o = np.divmod(j, self.window)
-        q = np.empty_like(ks)
-        pair = e * (self.n_seq // self.window + 2) + w
-        for pv in np.unique(pair):
-            m = pair == pv
-            ee, ww = int(e[m][0]), int(w[m][0])
-            q[m] = ww * self.window + self._window(ee, ww)[o[m]]
-        t0 = q * self.seq_len
+        e, w, pos = self._in_window(ks)
+        t0 = (w * self.window + pos) * self.seq_len
         t1 = t0 + self.seq_len + 1
         parts = []
         for ee in np.unique(e):

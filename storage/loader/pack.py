@@ -33,7 +33,8 @@ class Plan:
     piece_block: list[int]  # per piece: index into chunk.blocks,
     start: list[int]      # first token in the block,
     stop: list[int]       # stop token in the block,
-    row: np.ndarray       # and its row (for the quarantine path)
+    row: np.ndarray       # and its row among the rows this plan fills (for the quarantine path)
+    rows_out: np.ndarray | None = None  # the batch rows this plan fills, ascending; None: all of them
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Chunk:
     taken before the first is built and dropped after the last, so the per-block bookkeeping (reference
     counts, waiting for the read, the decoded array) is paid once per chunk instead of once per batch:
     with the window shuffle every batch reads ~20 blocks, and most of them again in the next batch."""
-    blocks: list[BlockId]  # distinct blocks, ascending
+    blocks: list[BlockId]  # distinct blocks, in the order of their first use
     plans: list[Plan]
     srcs: np.ndarray      # source and cursor of every row of every batch, in order
     curs: np.ndarray
@@ -53,12 +54,16 @@ class Chunk:
 BAD = np.empty(0, dtype=np.int64)  # stands for a corrupt block in Chunk.tokens (quarantine policy)
 
 
-def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list[SourceOrder]) -> Chunk:
+def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list[SourceOrder],
+         part: tuple[int, int] | None = None) -> Chunk:
     """The chunk of batches first, first + 1, ... whose rows (`rows` each) are srcs/curs, resolved in one
-    vectorized pass."""
-    parts = []
+    vectorized pass. `part` = (p, n): only the rows from the p-th of n stretches of their shuffle window
+    (SourceOrder.part_of), so n worker processes share each batch and each reads ~1/n of the blocks."""
+    parts = [(np.empty(0, np.int64),) * 5]
     for s in np.unique(srcs):
         idx = np.flatnonzero(srcs == s)
+        if part is not None:
+            idx = idx[orders[int(s)].part_of(curs[idx], part[1]) == part[0]]
         which, b, a, z, d = orders[int(s)].locate(curs[idx])
         parts.append((idx[which], (int(s) << 40) | b, a, z, d))
     grow, bid, start, stop, dst = (np.concatenate(x) for x in zip(*parts))
@@ -66,17 +71,30 @@ def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list
     grow, bid, start, stop = grow[order], bid[order], start[order], stop[order]
     n_batches = len(srcs) // rows
     batch = grow // rows
-    distinct, dense = np.unique(bid, return_inverse=True)
+    distinct, first_use, dense = np.unique(bid, return_index=True, return_inverse=True)
+    by_use = np.argsort(first_use)  # blocks in the order the batches first need them: reads are queued so
+    rank = np.empty_like(by_use)
+    rank[by_use] = np.arange(len(by_use))
+    distinct, dense = distinct[by_use], rank[dense]  # the first batch does not wait for the chunk's last block
+    nd = max(1, len(distinct))
     # each batch's distinct blocks: distinct (batch, block) pairs, in ascending order
-    pair = np.unique(batch * len(distinct) + dense)
-    pair_cut = np.searchsorted(pair, np.arange(n_batches + 1) * len(distinct))
+    pair = np.unique(batch * nd + dense)
+    pair_cut = np.searchsorted(pair, np.arange(n_batches + 1) * nd)
     piece_cut = np.searchsorted(batch, np.arange(n_batches + 1))
-    pair_block = pair % len(distinct)
+    pair_block = pair % nd
     chunk = Chunk(distinct.tolist(), [], srcs, curs, [None] * len(distinct), n_batches)
+    if part is not None:  # the rows this worker fills, per batch, and each piece's index among them
+        own = np.unique(grow)
+        own_cut = np.searchsorted(own, np.arange(n_batches + 1) * rows)
+        own_pos = np.searchsorted(own, grow)
     for i in range(n_batches):
         ps, rs = slice(piece_cut[i], piece_cut[i + 1]), slice(i * rows, (i + 1) * rows)
+        row, rows_out = grow[ps] - i * rows, None
+        if part is not None:
+            rows_out = own[own_cut[i]:own_cut[i + 1]] - i * rows
+            row = own_pos[ps] - own_cut[i]
         chunk.plans.append(Plan(first + i, srcs[rs], curs[rs], chunk, pair_block[pair_cut[i]:pair_cut[i + 1]].tolist(),
-                                dense[ps].tolist(), start[ps].tolist(), stop[ps].tolist(), grow[ps] - i * rows))
+                                dense[ps].tolist(), start[ps].tolist(), stop[ps].tolist(), row, rows_out))
     return chunk
 
 
@@ -97,12 +115,19 @@ class Packer:
         self.orders, self.store, self.width = orders, store, seq_len + 1
         self.policy, self.max_substitutes = policy, max_substitutes
         self.substituted = 0
+        self._scratch = np.empty(0, dtype=np.int64)
 
     def assemble(self, p: Plan, out: np.ndarray | None = None) -> np.ndarray:
-        """Batch `p` as int64 [rows, seq_len + 1], written into `out` when given."""
+        """Batch `p` as int64 [rows, seq_len + 1], written into `out` when given (a plan of part of the
+        rows writes only those rows)."""
         c = p.chunk
         if out is None:
             out = np.empty((len(p.srcs), self.width), dtype=np.int64)
+        dst = out
+        if p.rows_out is not None:  # its rows are scattered: build them together, then place them
+            if len(self._scratch) < out.size:
+                self._scratch = np.empty(out.size, dtype=np.int64)
+            dst = self._scratch[:len(p.rows_out) * self.width].reshape(-1, self.width)
         try:
             tokens, bad = c.tokens, False
             for i in p.blocks:
@@ -110,11 +135,13 @@ class Packer:
                 if t is None:
                     t = tokens[i] = self._get(c.blocks[i])
                 bad = bad or t is BAD
-            if not bad:  # one C call copies (and widens) every piece into place
+            if not bad and p.start:  # one C call copies (and widens) every piece into place
                 np.concatenate([tokens[i][a:z] for i, a, z in zip(p.piece_block, p.start, p.stop)],
-                               out=out.reshape(-1))
-            else:
-                self._assemble_around_bad(p, tokens, out)
+                               out=dst.reshape(-1))
+            elif bad:
+                self._assemble_around_bad(p, tokens, dst)
+            if p.rows_out is not None:
+                out[p.rows_out] = dst
         finally:
             c.pending -= 1
             if c.pending == 0:
@@ -132,6 +159,7 @@ class Packer:
             return BAD
 
     def _assemble_around_bad(self, p: Plan, tokens: list[np.ndarray], out: np.ndarray) -> None:
+        """`out`: the rows this plan fills (p.row indexes them)."""
         flat, pos, bad_rows = out.reshape(-1), 0, set()
         for i, a, z, r in zip(p.piece_block, p.start, p.stop, p.row.tolist()):
             if tokens[i] is BAD:
@@ -140,7 +168,8 @@ class Packer:
                 flat[pos:pos + z - a] = tokens[i][a:z]
             pos += z - a
         for r in sorted(bad_rows):
-            self._substitute(out[r], int(p.srcs[r]), int(p.curs[r]))
+            b = r if p.rows_out is None else int(p.rows_out[r])
+            self._substitute(out[r], int(p.srcs[b]), int(p.curs[b]))
 
     def _mark_bad(self, bid: BlockId, err: ShardError) -> None:
         if bid not in self.store.bad:

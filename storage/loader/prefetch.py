@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from storage.loader.decoders import DecoderPool, Pending
 from storage.shards import TAR_BLOCK, ShardError, ShardReader, decode_tokens
 
 BlockId = int  # source index << 40 | block number within the source
@@ -38,7 +39,7 @@ def split_id(bid: BlockId) -> tuple[int, int]:
 
 @dataclass
 class _Entry:
-    future: Future | None  # None without a pool: loaded on first get()
+    future: Future | Pending | None  # None without a pool or decoders: loaded on first get()
     refs: int
     nbytes: int
     tokens: np.ndarray | None = None
@@ -66,6 +67,19 @@ class BlockStore:
         self.bad: dict[BlockId, ShardError] = {}
         self._free: list[np.ndarray] = []  # decode buffers of evicted blocks
         self._buf_tokens = 0  # tokens per decode buffer: the largest block of any source
+        self.decoder: DecoderPool | None = None  # decode processes, when use_decoders() was called
+
+    def use_decoders(self, processes: int) -> None:
+        """From now on, blocks are read and decoded by `processes` forked processes (storage.loader.decoders)
+        into a shared arena with room for the byte budget's worth of the largest block (64 to 4096 slots;
+        beyond that, blocks are decoded by the thread that needs them)."""
+        slots = min(4096, max(64, self.max_bytes // (self.buffer_tokens() * self.itemsize) + 16))
+        self.decoder = DecoderPool(self, processes, slots)
+
+    def count_read(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.blocks_read += 1
 
     def cost(self, bid: BlockId) -> int:
         """Bytes a block occupies while in flight: its compressed span plus its decoded tokens."""
@@ -91,7 +105,8 @@ class BlockStore:
                 if e is None:
                     nbytes = self.cost(bid)
                     self._evict(nbytes)
-                    future = self.pool.submit(self._load, bid) if self.pool else None
+                    future = self.decoder.submit(bid) if self.decoder else \
+                        self.pool.submit(self._load, bid) if self.pool else None
                     e = self._entries[bid] = _Entry(future, 0, nbytes)
                     self.bytes_in_flight += nbytes
                     self.peak_bytes_in_flight = max(self.peak_bytes_in_flight, self.bytes_in_flight)
@@ -124,7 +139,9 @@ class BlockStore:
         e = self._entries.pop(bid)
         self.bytes_idle -= e.nbytes
         self.bytes_in_flight -= e.nbytes
-        if e.buf is not None and (e.future is None or e.future.done()):  # a cancelled plan's read may still be writing
+        if self.decoder is not None and e.future is not None:
+            self.decoder.free(e.future)  # its slot, once the decode finished
+        elif e.buf is not None and (e.future is None or e.future.done()):  # a cancelled plan's read may still be writing
             self._free.append(e.buf)
 
     def get(self, bid: BlockId) -> np.ndarray:
@@ -154,12 +171,10 @@ class BlockStore:
         with self._lock:
             if pooled and self._free:
                 return self._free.pop()
-            if not self._buf_tokens:
-                self._buf_tokens = max(int(t.max()) for t in self.block_tokens if len(t))
-        return np.empty(self._buf_tokens, dtype=f"<u{self.itemsize}")
+        return np.empty(self.buffer_tokens(), dtype=f"<u{self.itemsize}")
 
-    def _load(self, bid: BlockId, pooled: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
-        """(tokens, the pooled buffer holding them or None)."""
+    def read_decode(self, bid: BlockId, out: np.ndarray) -> tuple[np.ndarray, int]:
+        """Read, verify and decode block `bid` into `out`: (its tokens, bytes read). Raises ShardError."""
         s, b = split_id(bid)
         sh, k = self.refs[s][b]
         entry = sh.index[k]
@@ -168,23 +183,33 @@ class BlockStore:
         except FileNotFoundError as e:
             raise ShardError(sh.url, f"shard is missing ({e})", f"{entry.key}.tokens.lz4", entry.tokens_offset) \
                 from None
-        with self._lock:
-            self.bytes_read += len(payload) + len(meta) + 2 * TAR_BLOCK
-            self.blocks_read += 1
-        buf = self._buffer(pooled)
         try:
-            tokens = decode_tokens(sh.url, entry.key, payload, meta, entry.tokens_offset, buf)
+            tokens = decode_tokens(sh.url, entry.key, payload, meta, entry.tokens_offset, out)
             want = int(self.block_tokens[s][b])
             if len(tokens) != want:
                 raise ShardError(sh.url, f"block has {len(tokens)} tokens, the manifest says {want}",
                                  f"{entry.key}.tokens.lz4", entry.tokens_offset)
+        finally:
+            sh.release(k)
+        return tokens, len(payload) + len(meta) + 2 * TAR_BLOCK
+
+    def buffer_tokens(self) -> int:
+        """Tokens of the largest block of any source: the size of every decode buffer."""
+        if not self._buf_tokens:
+            self._buf_tokens = max(int(t.max()) for t in self.block_tokens if len(t))
+        return self._buf_tokens
+
+    def _load(self, bid: BlockId, pooled: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """(tokens, the pooled buffer holding them or None)."""
+        buf = self._buffer(pooled)
+        try:
+            tokens, nbytes = self.read_decode(bid, buf)
         except ShardError:
             if pooled:
                 with self._lock:
                     self._free.append(buf)
             raise
-        finally:
-            sh.release(k)
+        self.count_read(nbytes)
         return tokens, buf if pooled else None
 
     def map(self, fn, items) -> list:
@@ -194,6 +219,9 @@ class BlockStore:
     def close(self) -> None:
         if self.pool:
             self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.decoder:
+            self.decoder.close()
+            self.decoder = None
         with self._lock:
             self._entries.clear()
             self._idle.clear()

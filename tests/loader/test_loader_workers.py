@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,15 +41,15 @@ def test_resume_from_workers_into_a_thread_and_back(mixed_ds, loader_factory, ld
 
 
 def test_held_batches_are_never_overwritten(mixed_ds, loader_factory, ld):
-    """Zero-copy batches stay valid while held: with 2 slots per worker, holding 20 batches makes the
-    loader copy instead of stalling, and every held batch still equals the thread's."""
+    """Zero-copy batches stay valid while held: with 3 slots, holding 20 batches makes the loader copy
+    instead of stalling, and every held batch still equals the thread's."""
     want = ld.take(loader_factory(mixed_ds, G=8), 60)
-    loader = loader_factory(mixed_ds, G=8, workers=2, worker_slots=2)
+    loader = loader_factory(mixed_ds, G=8, workers=2, worker_slots=3)
     held = [next(loader) for _ in range(20)]  # no clone: some of these view the shared ring
     ring = loader._pool._slots
     lo, hi = ring.ctypes.data, ring.ctypes.data + ring.nbytes
     in_ring = [lo <= t.data_ptr() < hi for t in held]
-    assert in_ring[:2] == [True, True] and not any(in_ring[2:]), in_ring  # one zero-copy slot per worker, then copies
+    assert in_ring[:2] == [True, True] and not any(in_ring[2:]), in_ring  # slots - 1 zero-copy batches, then copies
     later = ld.take(loader, 20)
     for i, (x, y) in enumerate(zip(want, held + later)):
         assert torch.equal(x, y), f"batch {i}"
@@ -110,3 +111,59 @@ def test_worker_config_is_checked():
         LoaderConfig(dataset="x", workers=2, worker_slots=1).validate()
     assert LoaderConfig(dataset="/local", workers=2).worker_threads() == 0
     assert LoaderConfig(dataset="s3://b/ds", workers=2).worker_threads() == 16
+    # decode processes: auto picks one for a local dataset built by the thread, none otherwise
+    cpus = len(os.sched_getaffinity(0))
+    assert LoaderConfig(dataset="/local").decoders() == (1 if cpus >= 2 else 0)
+    assert LoaderConfig(dataset="s3://b/ds").decoders() == 0
+    assert LoaderConfig(dataset="/local", workers=2).decoders() == 0
+    assert LoaderConfig(dataset="/local", decode_processes=0).decoders() == 0
+    assert LoaderConfig(dataset="/local", backend="dali").decoders() == 0
+    with pytest.raises(ConfigError, match="decode_processes.*local"):
+        LoaderConfig(dataset="s3://b/ds", decode_processes=1).validate()
+    with pytest.raises(ConfigError, match="decode_processes"):
+        LoaderConfig(dataset="/local", decode_processes=-2).validate()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_decode_processes_give_the_same_batches(mixed_ds, loader_factory, ld, workers):
+    want = ld.take(loader_factory(mixed_ds, G=8), 60)
+    loader = loader_factory(mixed_ds, G=8, workers=workers, decode_processes=2)
+    for i, (a, b) in enumerate(zip(want, ld.take(loader, 60))):
+        assert torch.equal(a, b), f"batch {i}"
+    if workers == 0:
+        assert loader.store.decoder is not None and loader.metrics()["blocks_read"] > 0
+
+
+def test_decoder_arena_overflow_decodes_in_the_asking_thread(mixed_ds, loader_factory):
+    from storage.dataset import Dataset
+    from storage.loader.decoders import DecoderPool
+
+    store = loader_factory(mixed_ds).store
+    pool = DecoderPool(store, 2, slots=2)
+    try:
+        jobs = [pool.submit(b) for b in range(5)]  # blocks 0..4 of source 0 (web): 2 in the arena, 3 inline
+        assert [j.slot >= 0 for j in jobs] == [True, True, False, False, False]
+        web = [sh.read_block(k).tokens for sh in Dataset.open(mixed_ds).readers["web"] for k in range(len(sh))]
+        for b, j in enumerate(jobs):
+            np.testing.assert_array_equal(j.result()[0], web[b])
+            pool.free(j)
+        assert sorted(pool._free) == [0, 1]
+    finally:
+        pool.close()
+    assert all(code == 0 for code in pool.exitcodes.values())
+
+
+def test_decoder_errors_and_deaths_reach_the_consumer(tmp_path, loader_factory, ld):
+    root = str(tmp_path / "ds")
+    ld.make_dataset(root, {"web": 200, "code": 100})
+    shard = _corrupt(loader_factory(root), ld, root)
+    with pytest.raises(ShardError, match="checksum") as ei:
+        ld.take(loader_factory(root, decode_processes=1), 12)
+    assert ei.value.shard == shard
+    healthy = str(tmp_path / "ok")
+    ld.make_dataset(healthy, {"web": 200, "code": 100})
+    loader = loader_factory(healthy, decode_processes=1, shuffle_window=4, prefetch_batches=1)
+    ld.take(loader, 2)
+    os.kill(loader.store.decoder.pids[0], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"decode process 0 .*exited with code -9"):
+        ld.take(loader, 500)

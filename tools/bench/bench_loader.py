@@ -3,9 +3,11 @@
 All paths read the same shards (one source, real BPE tokens when ../shared/corpora is present) from
 the page cache, LZ4-decode every block and pack sequences of seq_len + 1 tokens (stride seq_len) into
 int64 batches [batch, seq_len + 1]:
-- ours (thread): `storage.loader.TokenLoader` as configured by default (shuffled global order, a
-  producer thread, prefetch threads, xxh3 of every block checked);
-- ours (N worker processes): the same with `workers: N` (forked processes, shared-memory ring);
+- ours (default): `storage.loader.TokenLoader` as configured by default: shuffled global order, a
+  producer thread that plans and packs, blocks read, xxh3-checked and decoded by one forked decode
+  process (`decode_processes: -1`, auto, picks one for a local dataset on 2+ CPUs);
+- ours (N worker processes): `workers: N` (forked processes share each batch, shared-memory ring);
+- ours (thread + decode threads): `decode_processes: 0` (blocks decoded by prefetch threads);
 - webdataset: `wds.WebDataset(shards)` + `lz4.frame.decompress` + the same packing, in order;
 - webdataset in a torch DataLoader with N workers (webdataset splits the shards over the workers);
 - raw: read each shard file whole, slice members by the index, decompress, pack; one thread, in order.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -126,6 +129,22 @@ def timed(batches, n_batches: int) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
+def raw_windows(shards: list[str], seq_len: int, batch: int, sequences: int, every: int) -> list[float]:
+    """Control for the flatness figure: the stateless raw reader's Mtok/s per window of `every` sequences
+    over the same number of sequences (repeating passes), i.e. the machine's own window-to-window noise."""
+    rates, n, last_n, last_t = [], 0, 0, time.perf_counter()
+    while n < sequences:
+        for _ in raw_batches(shards, seq_len, batch):
+            n += batch
+            if n - last_n >= every:
+                now = time.perf_counter()
+                rates.append((n - last_n) * seq_len / (now - last_t) / 1e6)
+                last_n, last_t = n, now
+            if n >= sequences:
+                break
+    return rates[1:-1]
+
+
 def cpu_s() -> float:
     """CPU seconds of this process and of its finished children (worker processes are joined at close)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -138,8 +157,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="prefetch threads (0: the loader's auto choice)")
-    ap.add_argument("--workers", type=int, default=2, help="worker processes of the 'ours, workers' path and of "
-                    "the webdataset DataLoader path")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes of the 'ours, N worker processes' "
+                    "path and of the webdataset DataLoader path")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--long", type=int, default=200_000, help="sequences for the flatness run (0: skip)")
     ap.add_argument("--long-cache-mib", type=int, default=128, help="max_bytes_in_flight of the long runs, MiB "
@@ -151,6 +170,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench-loader-")
     root = os.path.join(tmp, "ds")
     build(root, tokens)
+    del tokens  # the loaders' worker processes are forked: a smaller parent forks faster
+    gc.collect()
     ds = Dataset.open(root)
     shards = [sh.url for sh in ds.readers["bench"]]
     n_seq = (int(ds.manifest.total_tokens) - 1) // args.seq_len
@@ -158,8 +179,11 @@ def main() -> None:
     cfg = LoaderConfig(dataset=root, seq_len=args.seq_len, prefetch_threads=args.threads)
     args.threads = cfg.threads()
     cfg_w = dataclasses.replace(cfg, workers=args.workers)
-    paths = {"ours (thread)": lambda: our_batches(cfg, args.batch),
+    cfg_t = dataclasses.replace(cfg, decode_processes=0)
+    default = f"ours (default: thread + {cfg.decoders()} decode process)"
+    paths = {default: lambda: our_batches(cfg, args.batch),
              f"ours ({args.workers} worker processes)": lambda: our_batches(cfg_w, args.batch),
+             "ours (thread + decode threads)": lambda: our_batches(cfg_t, args.batch),
              "webdataset": lambda: webdataset_batches(shards, args.seq_len, args.batch),
              f"webdataset in a DataLoader, {args.workers} workers":
                  lambda: webdataset_dataloader_batches(shards, args.seq_len, args.batch, args.workers),
@@ -178,28 +202,29 @@ def main() -> None:
     steady = {k: (tok - args.batch * args.seq_len) / statistics.median(v) for k, v in rest.items()}
     whole = {k: tok / statistics.median([a + b for a, b in zip(first[k], rest[k])]) for k in paths}
     cpu_rate = {k: tok / statistics.median(v) for k, v in cpu.items()}
-    ours_t, ours_w, peer, peer_w, raw = paths
+    ours_d, ours_w, ours_t, peer, peer_w, raw = paths
 
     # a cache budget below the dataset's size: every epoch reads and decodes its blocks again
     longs, waits = {}, {}
-    for name, c in ((ours_t, cfg), (ours_w, cfg_w)):
+    for name, c in ((ours_d, cfg), (ours_w, cfg_w), (ours_t, cfg_t)):
         if args.long:
             longs[name] = run_bench(dataclasses.replace(c, max_bytes_in_flight=args.long_cache_mib << 20),
                                     args.batch, args.long, 10_000)
         waits[name] = run_bench(c, args.batch, 200 * args.batch, 10**9, step_s=0.05)
+    control = raw_windows(shards, args.seq_len, args.batch, args.long, 10_000) if args.long else None
     shutil.rmtree(tmp)
 
     lines = [f"| {k} | {1e3 * statistics.median(first[k]):.1f} | {steady[k] / 1e6:.1f} | {whole[k] / 1e6:.1f} | "
-             f"{cpu_rate[k] / 1e6:.1f} | {steady[ours_w] / steady[k]:.2f} | {steady[ours_t] / steady[k]:.2f} |"
+             f"{cpu_rate[k] / 1e6:.1f} | {steady[ours_d] / steady[k]:.2f} |"
              for k in paths]
-    summary = [f"- after the first batch: {ours_w} / webdataset = **{steady[ours_w] / steady[peer]:.2f}x**, "
-               f"{ours_t} / webdataset = {steady[ours_t] / steady[peer]:.2f}x (goal >= 2); {ours_w} / webdataset in a "
-               f"DataLoader with {args.workers} workers = {steady[ours_w] / steady[peer_w]:.2f}x; ours / raw read + "
-               f"decode = {steady[ours_w] / steady[raw]:.2f}x (workers), {steady[ours_t] / steady[raw]:.2f}x (thread) "
-               "(goal >= 0.8)",
-               f"- including the first batch (one pass of {n_batches} batches per run): {ours_w} / webdataset = "
-               f"{whole[ours_w] / whole[peer]:.2f}x, {ours_t} / webdataset = {whole[ours_t] / whole[peer]:.2f}x"]
-    for name in (ours_t, ours_w):
+    summary = [(f"- after the first batch: {ours_d} / webdataset = **{steady[ours_d] / steady[peer]:.2f}x**, "
+                f"{ours_w} / webdataset = {steady[ours_w] / steady[peer]:.2f}x, "
+                f"{ours_t} / webdataset = {steady[ours_t] / steady[peer]:.2f}x (goal >= 2); {ours_d} / webdataset in "
+                f"a DataLoader with {args.workers} workers = {steady[ours_d] / steady[peer_w]:.2f}x; {ours_d} / raw "
+                f"read + decode = {steady[ours_d] / steady[raw]:.2f}x (goal >= 0.8)"),
+               (f"- including the first batch (one pass of {n_batches} batches per run): {ours_d} / webdataset = "
+                f"{whole[ours_d] / whole[peer]:.2f}x, {ours_w} / webdataset = {whole[ours_w] / whole[peer]:.2f}x")]
+    for name in (ours_d, ours_w, ours_t):
         summary.append(f"- consumer wait with a 50 ms step, {name}: {100 * waits[name]['wait_fraction_of_step']:.2f} % "
                        "of step time over 200 steps (goal < 1 %)")
         long = longs.get(name)
@@ -212,15 +237,23 @@ def main() -> None:
                 f"last left out) wall throughput min/median/max {min(w):.1f}/{statistics.median(w):.1f}/{max(w):.1f} "
                 f"Mtok/s (peak-to-peak {100 * long['throughput_spread']:.0f} % of the mean, goal +-5 %), consumer CPU "
                 f"ms per 1k sequences {min(c):.1f}/{statistics.median(c):.1f}/{max(c):.1f}; RSS "
-                f"{long['rss_mib_first']:.0f} → {long['rss_mib_last']:.0f} MiB. Per window, in order: Mtok/s "
+                f"{long['rss_mib_first']:.0f} → {long['rss_mib_last']:.0f} MiB, of it anonymous (heap) "
+                f"{long['rss_anon_mib_first']:.0f} → {long['rss_anon_mib_last']:.0f} MiB (the rest: mapped shard "
+                "pages, dropped every 256 MiB read). Per window, in order: Mtok/s "
                 f"{' '.join(f'{x:.0f}' for x in w)}")
+    if control:
+        summary.append(f"- control, raw read + decode over the same {args.long:,} sequences: per window of 10k "
+                       f"sequences min/median/max {min(control):.0f}/{statistics.median(control):.0f}/"
+                       f"{max(control):.0f} Mtok/s, peak-to-peak "
+                       f"{100 * (max(control) - min(control)) / statistics.mean(control):.0f} % of the mean: the "
+                       "spread a stateless in-order reader shows on this machine")
     report = "\n".join([
         f"### Streaming loader vs webdataset vs raw read ({date.today()})", "",
         (f"Command: `python tools/bench/bench_loader.py --runs {args.runs} --long {args.long}`; machine: "
         f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
         f"data: {origin}; {len(shards)} shards, {ds.manifest.total_tokens:,} tokens; seq_len {args.seq_len}, "
-        f"batch {args.batch}, {n_batches} batches per path per run (one pass), ours (thread) with {args.threads} "
-        f"prefetch threads; files in page cache; medians of {args.runs} interleaved runs; CPU time includes worker "
+        f"batch {args.batch}, {n_batches} batches per path per run (one pass), prefetch_batches "
+        f"{cfg.prefetch_batches}, ours (thread + decode threads) with {args.threads} prefetch threads; files in page cache; medians of {args.runs} interleaved runs; CPU time includes worker "
         f"processes; machine load average at the start {os.getloadavg()[0]:.1f}."), "",
         "| path | first batch ms | Mtok/s after the first batch | Mtok/s incl. the first batch | Mtok per CPU-second | "
         "ours (workers) / path, after the first batch | ours (thread) / path |",
