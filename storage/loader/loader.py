@@ -26,7 +26,7 @@ from storage.loader.blend import Blend, mix_fingerprint
 from storage.loader.buffers import CudaStager, Failure, TwoSlotQueue
 from storage.loader.config import LoaderConfig
 from storage.loader.order import SourceOrder
-from storage.loader.pack import Chunk, Packer, Plan, acquire, plan, release
+from storage.loader.pack import Packer, Plan, acquire, plan, release
 from storage.loader.prefetch import BlockStore, split_id
 from storage.loader.workers import WorkerPool
 from storage.manifest import Manifest, Phase, validate_mix
@@ -149,8 +149,8 @@ class TokenLoader:
         self._thread = threading.Thread(target=self._produce, name="smoltrain-loader", daemon=True)
         self._thread.start()
 
-    def _plan(self, j: int, n: int) -> Chunk:
-        """This instance's batches j .. j + n - 1 as one chunk (not yet holding block references)."""
+    def _plan(self, j: int, n: int) -> list[Plan]:
+        """Plans of this instance's batches j .. j + n - 1, one chunk (not yet holding block references)."""
         b = self.batch_offset + (j + np.arange(n, dtype=np.int64)) * self.batch_stride
         g = (self.consumed + b * self.G + self.rank * self.rows)[:, None] + np.arange(self.rows, dtype=np.int64)
         srcs, curs = self.blend.assign_at(g.reshape(-1))
@@ -165,13 +165,14 @@ class TokenLoader:
             while len(self._planned) < self.cfg.prefetch_batches:
                 if nxt is None:
                     nxt, j = self._plan(j, size), j + size
-                if self._planned and self.store.bytes_referenced + self.store.new_cost(nxt.blocks) \
+                chunk = nxt[0].chunk
+                if self._planned and self.store.bytes_referenced + self.store.new_cost(chunk.blocks) \
                         > self.cfg.max_bytes_in_flight:
                     break
-                acquire(nxt, self.store)
-                self._planned.extend(nxt.plans)
-                for s in np.unique(nxt.srcs).tolist():  # cursors rise with g within a source
-                    self._frontier[s] = int(nxt.curs[nxt.srcs == s].max())
+                acquire(chunk, self.store)
+                self._planned.extend(nxt)
+                for s in np.unique(chunk.srcs).tolist():  # cursors rise with g within a source
+                    self._frontier[s] = int(chunk.curs[chunk.srcs == s].max())
                 self.store.sweep(self._done_with)
                 nxt = None
             yield self._planned.popleft()

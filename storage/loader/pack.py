@@ -42,9 +42,10 @@ class Chunk:
     """Consecutive batches planned together. They hold one reference on every block any of them reads,
     taken before the first is built and dropped after the last, so the per-block bookkeeping (reference
     counts, waiting for the read, the decoded array) is paid once per chunk instead of once per batch:
-    with the window shuffle every batch reads ~20 blocks, and most of them again in the next batch."""
+    with the window shuffle every batch reads ~20 blocks, and most of them again in the next batch.
+    Plans point to their chunk, never the reverse, so a built chunk is freed at once (no cycle for the
+    garbage collector, whose full passes over a large training process stall the loader thread)."""
     blocks: list[BlockId]  # distinct blocks, in the order of their first use
-    plans: list[Plan]
     srcs: np.ndarray      # source and cursor of every row of every batch, in order
     curs: np.ndarray
     tokens: list = field(default_factory=list)  # per block: None until fetched, then its tokens or BAD
@@ -55,9 +56,9 @@ BAD = np.empty(0, dtype=np.int64)  # stands for a corrupt block in Chunk.tokens 
 
 
 def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list[SourceOrder],
-         part: tuple[int, int] | None = None) -> Chunk:
-    """The chunk of batches first, first + 1, ... whose rows (`rows` each) are srcs/curs, resolved in one
-    vectorized pass. `part` = (p, n): only the rows from the p-th of n stretches of their shuffle window
+         part: tuple[int, int] | None = None) -> list[Plan]:
+    """Plans of batches first, first + 1, ... (one chunk) whose rows (`rows` each) are srcs/curs, resolved
+    in one vectorized pass. `part` = (p, n): only the rows from the p-th of n stretches of their shuffle window
     (SourceOrder.part_of), so n worker processes share each batch and each reads ~1/n of the blocks."""
     parts = [(np.empty(0, np.int64),) * 5]
     for s in np.unique(srcs):
@@ -82,7 +83,7 @@ def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list
     pair_cut = np.searchsorted(pair, np.arange(n_batches + 1) * nd)
     piece_cut = np.searchsorted(batch, np.arange(n_batches + 1))
     pair_block = pair % nd
-    chunk = Chunk(distinct.tolist(), [], srcs, curs, [None] * len(distinct), n_batches)
+    chunk, plans = Chunk(distinct.tolist(), srcs, curs, [None] * len(distinct), n_batches), []
     if part is not None:  # the rows this worker fills, per batch, and each piece's index among them
         own = np.unique(grow)
         own_cut = np.searchsorted(own, np.arange(n_batches + 1) * rows)
@@ -93,9 +94,9 @@ def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list
         if part is not None:
             rows_out = own[own_cut[i]:own_cut[i + 1]] - i * rows
             row = own_pos[ps] - own_cut[i]
-        chunk.plans.append(Plan(first + i, srcs[rs], curs[rs], chunk, pair_block[pair_cut[i]:pair_cut[i + 1]].tolist(),
-                                dense[ps].tolist(), start[ps].tolist(), stop[ps].tolist(), row, rows_out))
-    return chunk
+        plans.append(Plan(first + i, srcs[rs], curs[rs], chunk, pair_block[pair_cut[i]:pair_cut[i + 1]].tolist(),
+                          dense[ps].tolist(), start[ps].tolist(), stop[ps].tolist(), row, rows_out))
+    return plans
 
 
 def acquire(c: Chunk, store: BlockStore) -> None:

@@ -80,7 +80,7 @@ def test_byte_budget_bounds_memory_and_changes_nothing(mixed_ds, loader_factory)
     for a, b in zip(ref, ld_take(tight, 6)):
         assert torch.equal(a, b)
     # over budget the planner holds the blocks of one chunk (prefetch_batches batches) only
-    one_chunk = max(sum(tight.store.cost(b) for b in tight._plan(j, 2).blocks) for j in range(0, 10, 2))
+    one_chunk = max(sum(tight.store.cost(b) for b in tight._plan(j, 2)[0].chunk.blocks) for j in range(0, 10, 2))
     assert tight.metrics()["peak_bytes_in_flight"] <= one_chunk < roomy.metrics()["peak_bytes_in_flight"]
 
 
