@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import fsspec
 import numpy as np
 import pytest
 import torch
@@ -89,6 +90,41 @@ def test_async_save_keeps_the_values_of_its_step_after_before_update(tmp_path):
         mgr.close()
         model.w.data.zero_()
         load_into(state, mgr.root, "step_00000001", mgr.cfg)
+        assert torch.equal(model.w.detach(), want)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_retired_tensor_files_are_overwritten_by_later_saves(tmp_path):
+    """Retention keeps a deleted checkpoint's tensor file for reuse: the next full save overwrites it in
+    place (same inode, cut to the new size), and what it holds then verifies and loads exactly."""
+    from train.checkpoint import CheckpointConfig, CheckpointManager, layout
+    from train.checkpoint.incremental import RECYCLE_DIR
+    from train.checkpoint.resume import load_into
+    from train.state import TrainState
+
+    fs = fsspec.filesystem("file")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _Model(1 << 16)
+        state = TrainState(model=[model], optimizer=None, scheduler=None, loader=None)
+        mgr = CheckpointManager(CheckpointConfig(dir="c", full_every=1, incremental_every=0, keep_last=1,
+                                                 async_save=False), str(tmp_path))
+        inode = {}
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.w.add_(step)
+            state.step = step
+            mgr.maybe_save(state)
+            inode[step] = os.stat(os.path.join(mgr.root, f"step_{step:08d}", RAW_DIR, "rank00000.bin")).st_ino
+            assert [c.name for c in layout.list_checkpoints(fs, mgr.root)] == [f"step_{step:08d}"]
+        assert inode[3] == inode[1] and inode[2] != inode[1]  # 1 retired by 2's commit, reused by 3
+        assert len(os.listdir(os.path.join(mgr.root, RECYCLE_DIR))) == 1  # 2's file, waiting for save 4
+        want = model.w.detach().clone()
+        mgr.close()
+        assert layout.verify(fs, mgr.root, "step_00000003", checksums=True) == []
+        model.w.data.zero_()
+        load_into(state, mgr.root, "step_00000003", mgr.cfg)
         assert torch.equal(model.w.detach(), want)
     finally:
         dist.destroy_process_group()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -117,6 +118,7 @@ def write_raw(out_dir: str, rank: int, pieces: list[Piece]) -> dict:
     path: [size, xxh3_128 hex]}}."""
     os.makedirs(os.path.join(out_dir, RAW_DIR), exist_ok=True)
     rel = f"{RAW_DIR}/rank{rank:05d}"
+    _take_recycled(os.path.dirname(os.path.abspath(out_dir)), os.path.join(out_dir, rel + ".bin"))
     entries, views, offset = [], [], 0
     for p in pieces:
         mv = memoryview(bits(p.tensor.contiguous())).cast("B")
@@ -131,6 +133,42 @@ def write_raw(out_dir: str, rank: int, pieces: list[Piece]) -> dict:
         f.write(index)
     return {"written": size, "full": size, "pieces": len(pieces), "write_s": write_s,
             "files": {rel + ".bin": [size, digest], rel + ".json": [len(index), xxhash.xxh3_128_hexdigest(index)]}}
+
+
+RECYCLE_DIR = ".recycle"  # under the checkpoint root: tensor files of deleted checkpoints
+
+
+def retire(root: str, name: str) -> None:
+    """Delete checkpoint `name` under `root`, keeping its raw tensor files in `root/.recycle` for the next
+    full saves to overwrite. Writing a new file makes the filesystem allocate every block, which on ext4
+    on the CI VM's disk runs at about 60 % of an overwrite (tools/bench/bench_ckpt.py); PostgreSQL
+    recycles its WAL segments for the same reason. The pool holds the files of one checkpoint at most."""
+    ckpt, pool = os.path.join(root, name), os.path.join(root, RECYCLE_DIR)
+    raw = os.path.join(ckpt, RAW_DIR)
+    bins = [f for f in os.listdir(raw) if f.endswith(".bin")] if os.path.isdir(raw) else []
+    if bins:
+        shutil.rmtree(pool, ignore_errors=True)
+        os.makedirs(pool, exist_ok=True)
+        for f in bins:
+            os.rename(os.path.join(raw, f), os.path.join(pool, f"{name}-{f}"))
+    shutil.rmtree(ckpt, ignore_errors=True)
+
+
+def _take_recycled(root: str, path: str) -> bool:
+    """Move a recycled tensor file to `path` (any rank may take any file; a rename lost to another rank
+    just tries the next). False when the pool is empty."""
+    pool = os.path.join(root, RECYCLE_DIR)
+    try:
+        names = sorted(os.listdir(pool))
+    except FileNotFoundError:
+        return False
+    for n in names:
+        try:
+            os.rename(os.path.join(pool, n), path)
+            return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 _NP_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy twins of bits()' dtypes

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 import fsspec
 
 from train.checkpoint import layout, retention
+from train.checkpoint.incremental import retire
 from train.checkpoint.config import CheckpointConfig
 from train.checkpoint.offload import Offloader, pull_newest
 from train.checkpoint.resume import broadcast_choice, choose_local, load_into
@@ -99,8 +99,8 @@ class CheckpointManager:
             return
         ckpts = layout.list_checkpoints(fsspec.filesystem("file"), self.root)
         for name in retention.to_delete(ckpts, self.cfg.keep_last, self.cfg.full_every, self.cfg.keep_full_every):
-            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-            log.info("checkpoint %s deleted (retention)", name)
+            retire(self.root, name)
+            log.info("checkpoint %s deleted (retention; its tensor files kept for reuse)", name)
 
     @property
     def failed(self) -> list[str]:

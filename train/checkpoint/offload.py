@@ -17,6 +17,7 @@ import fsspec
 
 from storage.fs import get_fs
 from train.checkpoint import layout, retention
+from train.checkpoint.incremental import retire
 
 log = logging.getLogger("train.checkpoint")
 
@@ -97,7 +98,7 @@ class Offloader:
         keep = retention.keep_set(local, self.keep_local, 0, 0)
         for c in local:
             if c.name not in keep and self.remote_verified(c.name):
-                shutil.rmtree(os.path.join(self.local_root, c.name), ignore_errors=True)
+                retire(self.local_root, c.name)
                 log.info("local copy of checkpoint %s deleted (remote copy verified)", c.name)
 
 
