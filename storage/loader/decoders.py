@@ -14,6 +14,7 @@ Slots are reused last-freed first, so the arena's touched pages stay near the bl
 """
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import pickle
@@ -183,6 +184,10 @@ def _close_other_pipes(keep: tuple[int, ...]) -> None:
 
 def _decoder_main(pool: DecoderPool, i: int, pipes, owner: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+    # The collector would walk (and so copy, page by page) the parent's inherited heap; the decode loop
+    # makes no reference cycles, so it runs without it.
+    gc.freeze()
+    gc.disable()
     req_r, done_w = pipes[i][0], pipes[i][3]
     _close_other_pipes((req_r, done_w))
     store, arena = pool.store, pool.arena

@@ -141,7 +141,7 @@ RECYCLE_DIR = ".recycle"  # under the checkpoint root: tensor files of deleted c
 def retire(root: str, name: str) -> None:
     """Delete checkpoint `name` under `root`, keeping its raw tensor files in `root/.recycle` for the next
     full saves to overwrite. Writing a new file makes the filesystem allocate every block, which on ext4
-    on the CI VM's disk runs at about 60 % of an overwrite (tools/bench/bench_ckpt.py); PostgreSQL
+    on the CI VM's disk runs at about 80 % of an overwrite (tools/bench/bench_ckpt.py); PostgreSQL
     recycles its WAL segments for the same reason. The pool holds the files of one checkpoint at most."""
     ckpt, pool = os.path.join(root, name), os.path.join(root, RECYCLE_DIR)
     raw = os.path.join(ckpt, RAW_DIR)
