@@ -128,3 +128,33 @@ def test_retired_tensor_files_are_overwritten_by_later_saves(tmp_path):
         assert torch.equal(model.w.detach(), want)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_stream_places_parts_at_aligned_offsets_and_writes_them_from_memory(tmp_path, monkeypatch, direct):
+    """Parts at offsets congruent to their addresses (aligned_offsets) land where the offsets say, with
+    zeros between them; the digest covers the whole file; big parts take the straight-from-memory path."""
+    if not direct:
+        monkeypatch.delattr(os, "O_DIRECT")
+    monkeypatch.setattr(rawfile, "CHUNK", 1 << 16)
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    parts = [base[3:3 + 300_001], base[400_000:400_000 + 5], np.zeros(0, np.uint8), base[500_123:900_000],
+             rng.integers(0, 256, 70_000, dtype=np.uint8)]
+    views = [memoryview(p) for p in parts]
+    offsets = rawfile.aligned_offsets(views)
+    assert all((o - p.ctypes.data) % 4096 == 0 for o, p in zip(offsets, parts) if len(p))
+    calls = []
+    real = rawfile._pwrite_all
+    monkeypatch.setattr(rawfile, "_pwrite_all", lambda fd, buf, off: (calls.append(buf), real(fd, buf, off)))
+    path = str(tmp_path / "y.bin")
+    size, digest = rawfile.write_stream(path, views, offsets)
+    want = bytearray(offsets[-1] + len(parts[-1]))
+    for o, p in zip(offsets, parts):
+        want[o:o + len(p)] = p.tobytes()
+    with open(path, "rb") as f:
+        assert f.read() == bytes(want)
+    assert size == len(want) and digest == xxhash.xxh3_128_hexdigest(bytes(want))
+    from_memory = [c for c in calls if np.frombuffer(c, np.uint8).ctypes.data in
+                   range(base.ctypes.data, base.ctypes.data + base.nbytes)]
+    assert bool(from_memory) == direct  # only O_DIRECT skips the bounce copy

@@ -24,7 +24,7 @@ import torch
 import xxhash
 import zstandard
 
-from train.checkpoint.rawfile import write_stream
+from train.checkpoint.rawfile import aligned_offsets, write_stream
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DELTA_DIR = "delta"
@@ -119,14 +119,11 @@ def write_raw(out_dir: str, rank: int, pieces: list[Piece]) -> dict:
     os.makedirs(os.path.join(out_dir, RAW_DIR), exist_ok=True)
     rel = f"{RAW_DIR}/rank{rank:05d}"
     _take_recycled(os.path.dirname(os.path.abspath(out_dir)), os.path.join(out_dir, rel + ".bin"))
-    entries, views, offset = [], [], 0
-    for p in pieces:
-        mv = memoryview(bits(p.tensor.contiguous())).cast("B")
-        entries.append(_entry(p, "raw", offset, len(mv), len(mv)))
-        views.append(mv)
-        offset += len(mv)
+    views = [memoryview(bits(p.tensor.contiguous())).cast("B") for p in pieces]
+    offsets = aligned_offsets(views)  # pieces go to disk from their own memory (zero padding between them)
+    entries = [_entry(p, "raw", o, len(mv), len(mv)) for p, o, mv in zip(pieces, offsets, views)]
     t = time.perf_counter()
-    size, digest = write_stream(os.path.join(out_dir, rel + ".bin"), views)
+    size, digest = write_stream(os.path.join(out_dir, rel + ".bin"), views, offsets)
     write_s = time.perf_counter() - t
     index = json.dumps({"rank": rank, "entries": entries}).encode()
     with open(os.path.join(out_dir, rel + ".json"), "wb") as f:

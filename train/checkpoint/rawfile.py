@@ -4,7 +4,9 @@ Full checkpoints are hundreds of MiB to GiB per rank. Buffered writes first fill
 costs a page fault per 4 KiB of new cache (expensive on VMs, and it evicts the training job's own cache)
 and leaves all the disk work to the final fsync. Here the bytes are copied into aligned bounce buffers
 and written with O_DIRECT by a small pool of I/O threads, so the copy of the next buffer overlaps the
-disk write of the previous ones and nothing is left to flush at the end. Where O_DIRECT is refused
+disk write of the previous ones and nothing is left to flush at the end. Parts placed at file offsets
+congruent to their memory addresses (aligned_offsets; full checkpoints do this) skip the copy: their
+page-aligned middles are written straight from their own memory. Where O_DIRECT is refused
 (tmpfs, some network filesystems) the file is written through the page cache with Linux
 sync_file_range starting the writeback of each chunk as soon as it is written.
 The XXH3-128 of the stream is computed from the hot bounce buffers (GIL released, in order, beside the
@@ -47,10 +49,30 @@ def _pwrite_all(fd: int, buf: memoryview, off: int) -> None:
         buf, off = buf[n:], off + n
 
 
-def write_stream(path: str, parts: list[memoryview]) -> tuple[int, str]:
-    """Write the concatenation of `parts` (byte memoryviews) to the file at `path` (created, or overwritten
-    in place and cut to size), fsynced. Returns (size, XXH3-128 hex digest)."""
-    total = sum(len(p) for p in parts)
+def aligned_offsets(parts: list[memoryview]) -> list[int]:
+    """File offsets for `parts` in order, each congruent to the part's memory address modulo 4 KiB, so
+    the page-aligned middle of every part can go to disk with O_DIRECT straight from its memory; the
+    gaps between parts (under 4 KiB each) hold zeros."""
+    out, pos = [], 0
+    for p in parts:
+        if len(p):
+            pos += (np.frombuffer(p, dtype=np.uint8).ctypes.data - pos) % _ALIGN
+        out.append(pos)
+        pos += len(p)
+    return out
+
+
+def write_stream(path: str, parts: list[memoryview], offsets: list[int] | None = None) -> tuple[int, str]:
+    """Write `parts` (byte memoryviews) at file `offsets` (default: back to back; gaps are zeros) to the
+    file at `path` (created, or overwritten in place and cut to size), fsynced. With O_DIRECT, a part
+    whose offset is congruent to its address modulo 4 KiB (see aligned_offsets) is written from its own
+    memory, only its unaligned ends going through the bounce buffers. Returns (size, XXH3-128 hex)."""
+    if offsets is None:
+        offsets, pos = [], 0
+        for p in parts:
+            offsets.append(pos)
+            pos += len(p)
+    total = max((o + len(p) for o, p in zip(offsets, parts)), default=0)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
         direct = hasattr(os, "O_DIRECT")
@@ -64,47 +86,71 @@ def write_stream(path: str, parts: list[memoryview]) -> tuple[int, str]:
     bufs = [mmap.mmap(-1, CHUNK) for _ in range(BUFFERS)]  # page-aligned, as O_DIRECT needs
     views = [np.frombuffer(b, dtype=np.uint8) for b in bufs]
     pending: list[Future | None] = [None] * BUFFERS
-    h, off, k, fill = codec.Xxh3_128(), 0, 0, 0
+    straight: list[Future] = []
+    h = codec.Xxh3_128()
     io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ckpt-io")
-    hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")  # in order; overlaps the next copy
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")  # in file order, beside the I/O
+    zeros = np.zeros(_ALIGN, dtype=np.uint8)
+    b, acc_off, fill = 0, 0, 0  # the bounce buffer bufs[b] holds the file's bytes [acc_off, acc_off + fill)
 
-    def flush(b: int, n: int) -> None:
-        nonlocal off, k
-        size = -(-n // _ALIGN) * _ALIGN if direct else n  # O_DIRECT writes whole blocks; truncated below
-        hashed = hasher.submit(h.update, memoryview(bufs[b])[:n])
+    def submit(view: memoryview, at: int, n: int) -> Future:
+        """Hash the file's n bytes at `at` (view[:n]) and write them (whole blocks when direct)."""
+        size = -(-n // _ALIGN) * _ALIGN if direct else n
+        hashed = hasher.submit(h.update, view[:n])
 
-        def write(b=b, size=size, at=off, hashed=hashed):
-            _pwrite_all(fd, memoryview(bufs[b])[:size], at)
+        def write():
+            _pwrite_all(fd, view[:size], at)
             if not direct:
                 _start_writeback(fd, at, size)
-            hashed.result()  # the buffer is free for the next chunk once written and hashed
-        pending[b] = io.submit(write)
-        off += n
-        k += 1
+            hashed.result()  # a bounce buffer is free for the next bytes once written and hashed
+        return io.submit(write)
+
+    def flush(whole_blocks: bool) -> None:
+        nonlocal b, acc_off, fill
+        n = fill - fill % _ALIGN if direct and whole_blocks else fill
+        if not n:
+            return
+        pending[b] = submit(memoryview(bufs[b]), acc_off, n)
+        nb, rest = (b + 1) % BUFFERS, fill - n
+        if pending[nb] is not None:
+            pending[nb].result()
+        views[nb][:rest] = views[b][n:fill]
+        b, acc_off, fill = nb, acc_off + n, rest
+
+    def add(src: np.ndarray) -> None:
+        nonlocal fill
+        pos = 0
+        while pos < len(src):
+            take = min(CHUNK - fill, len(src) - pos)
+            views[b][fill:fill + take] = src[pos:pos + take]
+            fill, pos = fill + take, pos + take
+            if fill == CHUNK:
+                flush(True)
 
     try:
-        for part in parts:
+        for part, o in zip(parts, offsets):
+            while acc_off + fill < o:  # the gap before this part
+                add(zeros[:min(_ALIGN, o - acc_off - fill)])
             src = np.frombuffer(part, dtype=np.uint8)
-            pos = 0
-            while pos < len(src):
-                b = k % BUFFERS
-                if fill == 0 and pending[b] is not None:
-                    pending[b].result()  # this buffer's previous write is done
-                take = min(CHUNK - fill, len(src) - pos)
-                views[b][fill:fill + take] = src[pos:pos + take]
-                fill, pos = fill + take, pos + take
-                if fill == CHUNK:
-                    flush(b, fill)
-                    fill = 0
-        if fill:
-            flush(k % BUFFERS, fill)
-        for p in pending:
-            if p is not None:
-                p.result()
-        os.ftruncate(fd, off)  # O_DIRECT wrote whole blocks; a recycled file may be longer
+            lo, hi = -(-o // _ALIGN) * _ALIGN, (o + len(src)) // _ALIGN * _ALIGN  # its aligned middle
+            if direct and hi - lo >= _ALIGN and (src.ctypes.data - o) % _ALIGN == 0:
+                add(src[:lo - o])
+                flush(True)  # the bounce buffer now ends where the middle starts, on a block boundary
+                for at in range(lo, hi, CHUNK):
+                    n = min(CHUNK, hi - at)
+                    straight.append(submit(part[at - o:at - o + n], at, n))
+                acc_off = hi
+                add(src[hi - o:])
+            else:
+                add(src)
+        flush(False)
+        for f in pending + straight:
+            if f is not None:
+                f.result()
+        os.ftruncate(fd, total)  # O_DIRECT wrote whole blocks; a recycled file may be longer
         os.fsync(fd)
     finally:
         io.shutdown(wait=True)
         hasher.shutdown(wait=True)
         os.close(fd)
-    return off, h.hexdigest()
+    return total, h.hexdigest()
