@@ -7,10 +7,12 @@
     sd = loader.state_dict()        # resume with any dp_size: loader.load_state_dict(sd)
 
 Modules: `order` (per-source epochs, block permutation, window shuffle), `blend` (phases, Megatron-style
-low-discrepancy source assignment, schedule changes at resume), `prefetch` (thread pool, bytes in
-flight), `pack` (rows from blocks, quarantine), `buffers` (two-slot queue, CUDA side-stream copy),
-`loader` (TokenLoader), `torchdata` (use inside a torch DataLoader with workers), `dali` (optional
-DALI block reader), `bench` (`storage bench-loader`). See docs/loader.md.
+low-discrepancy source assignment, schedule changes at resume), `prefetch` (block cache, bytes in
+flight, thread pool), `decoders` (decode processes and their shared arena), `pack` (chunks, rows from
+blocks, quarantine), `buffers` (two-slot queue, CUDA side-stream copy), `workers` (batch-building
+worker processes, zero-copy ring), `loader` (TokenLoader), `torchdata` (use inside a torch DataLoader
+with workers), `dali` (optional DALI block reader), `bench` (`storage bench-loader`). See
+docs/loader.md.
 """
 from storage.loader.config import LoaderConfig
 from storage.loader.loader import TokenLoader
