@@ -20,7 +20,7 @@ class LoaderConfig:
     seed: int = 1234                     # seeds block permutations and window shuffles
     shuffle_window: int = 4096           # sequences of one source shuffled together (per epoch)
     prefetch_threads: int = 0            # threads that read + verify + LZ4-decode blocks; 0: auto (see threads())
-    prefetch_batches: int = 128          # batches planned (blocks requested) ahead of the one being built
+    prefetch_batches: int = 256          # batches planned (blocks requested) ahead of the one being built
     decode_processes: int = -1           # processes that read + verify + decode local blocks; 0: threads; -1: auto
     workers: int = 0                     # batch-building processes (forked); 0: a thread in this process
     worker_slots: int = 4                # batches the workers may have built ahead (shared-memory slots)
