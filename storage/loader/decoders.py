@@ -34,7 +34,7 @@ _OK, _ERROR = 0, 1
 
 class Pending:
     """A block submitted to a decoder: result() waits for it (the store's Future)."""
-    __slots__ = ("pool", "bid", "proc", "slot", "tokens", "error", "freed")
+    __slots__ = ("bid", "error", "freed", "pool", "proc", "slot", "tokens")
 
     def __init__(self, pool: DecoderPool, bid: int, proc: int, slot: int):
         self.pool, self.bid, self.proc, self.slot = pool, bid, proc, slot
@@ -50,7 +50,7 @@ class Pending:
         if self.proc < 0 and not self.done():
             try:
                 self.tokens = self.pool.store._load(self.bid, False)[0]
-            except BaseException as e:
+            except Exception as e:  # noqa: BLE001 - kept for result(), as a decoder's error would be
                 self.error = e
         while not self.done():
             self.pool._answer(self.proc)

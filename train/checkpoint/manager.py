@@ -15,8 +15,8 @@ import os
 import fsspec
 
 from train.checkpoint import layout, retention
-from train.checkpoint.incremental import retire
 from train.checkpoint.config import CheckpointConfig
+from train.checkpoint.incremental import retire
 from train.checkpoint.offload import Offloader, pull_newest
 from train.checkpoint.resume import broadcast_choice, choose_local, load_into
 from train.checkpoint.save import Saver, barrier, rank_world
