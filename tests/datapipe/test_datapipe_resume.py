@@ -24,16 +24,18 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _run(config: Path, kill_when: Path | None = None) -> bool:
-    """Run `datapipe build`; with kill_when, SIGKILL it as soon as that path exists. True if killed."""
+    """Run `datapipe build`; with kill_when, SIGKILL it as soon as that path exists. True if killed.
+    The build runs in its own process group and the whole group is killed, as a crashed or cancelled
+    job is (killing only the parent left datatrove's pool workers blocked, one pair per test run)."""
     cmd = [sys.executable, "-m", "datapipe.cli", "build", str(config), "--quiet"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     if kill_when is None:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err.decode()[-2000:]
         return False
     while proc.poll() is None:
         if kill_when.exists() and any(kill_when.iterdir()):
-            os.kill(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return True
         time.sleep(0.005)
