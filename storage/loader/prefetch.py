@@ -43,7 +43,7 @@ class _Entry:
     refs: int
     nbytes: int
     tokens: np.ndarray | None = None
-    buf: np.ndarray | None = None  # the recycled buffer the tokens live in
+    buf: np.ndarray | int | None = None  # the recycled buffer the tokens live in (decode processes: arena slot)
 
 
 class BlockStore:

@@ -5,27 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from storage.shards import TAR_BLOCK, ShardError
-
-
-@pytest.fixture
-def corrupt_ds(tmp_path, ld, loader_factory):
-    """A dataset with one corrupted block (the one that web's first sequence starts in), plus facts."""
-    root = str(tmp_path / "ds")
-    ld.make_dataset(root, {"web": 200, "code": 100})
-    probe = loader_factory(root)
-    clean = ld.take(probe, 12)
-    b = probe.orders[0].pieces(0)[0][0]
-    sh, k = probe.store.refs[0][b]
-    entry = sh.index[k]
-    original = sh.read_block(k).tokens.astype(np.int64)
-    with open(sh.url, "r+b") as f:
-        f.seek(entry.tokens_offset + TAR_BLOCK + entry.tokens_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    return {"root": root, "clean": clean, "shard": sh.url, "member": f"{entry.key}.tokens.lz4",
-            "offset": entry.tokens_offset, "block": b, "original": original}
+from storage.shards import ShardError
 
 
 def test_error_policy_names_shard_member_offset(corrupt_ds, loader_factory, ld):

@@ -11,7 +11,7 @@ import torch
 
 from storage.config import ConfigError
 from storage.loader import LoaderConfig
-from storage.shards import TAR_BLOCK, ShardError
+from storage.shards import ShardError
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
@@ -58,22 +58,8 @@ def test_held_batches_are_never_overwritten(mixed_ds, loader_factory, ld):
         assert torch.equal(x, y), f"batch {40 + i}"
 
 
-def _corrupt(loader, ld, root) -> str:
-    b = loader.orders[0].pieces(0)[0][0]
-    sh, k = loader.store.refs[0][b]
-    e = sh.index[k]
-    with open(sh.url, "r+b") as f:
-        f.seek(e.tokens_offset + TAR_BLOCK + e.tokens_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    return sh.url
-
-
-def test_worker_errors_arrive_in_order_as_the_same_exception(tmp_path, loader_factory, ld):
-    root = str(tmp_path / "ds")
-    ld.make_dataset(root, {"web": 200, "code": 100})
-    shard = _corrupt(loader_factory(root), ld, root)
+def test_worker_errors_arrive_in_order_as_the_same_exception(corrupt_ds, loader_factory, ld):
+    root, shard = corrupt_ds["root"], corrupt_ds["shard"]
     with pytest.raises(ShardError, match="checksum") as ei:
         ld.take(loader_factory(root, workers=2), 12)
     assert shard in str(ei.value) and ei.value.shard == shard
@@ -153,10 +139,8 @@ def test_decoder_arena_overflow_decodes_in_the_asking_thread(mixed_ds, loader_fa
     assert all(code == 0 for code in pool.exitcodes.values())
 
 
-def test_decoder_errors_and_deaths_reach_the_consumer(tmp_path, loader_factory, ld):
-    root = str(tmp_path / "ds")
-    ld.make_dataset(root, {"web": 200, "code": 100})
-    shard = _corrupt(loader_factory(root), ld, root)
+def test_decoder_errors_and_deaths_reach_the_consumer(tmp_path, corrupt_ds, loader_factory, ld):
+    root, shard = corrupt_ds["root"], corrupt_ds["shard"]
     with pytest.raises(ShardError, match="checksum") as ei:
         ld.take(loader_factory(root, decode_processes=1), 12)
     assert ei.value.shard == shard

@@ -50,22 +50,22 @@ def main() -> None:
             runs.append(1e6 * (time.perf_counter() - t) / len(pieces))
         return statistics.median(runs)
 
+    def beside(runner, stop) -> float:
+        """per_batch_us() while `runner` (a thread or process running _decode_forever) decodes."""
+        runner.start()
+        time.sleep(0.2)
+        try:
+            return per_batch_us()
+        finally:
+            stop.set()
+            runner.join()
+
     alone = per_batch_us()
     stop = threading.Event()
-    th = threading.Thread(target=_decode_forever, args=(frames, stop))
-    th.start()
-    time.sleep(0.2)
-    with_thread = per_batch_us()
-    stop.set()
-    th.join()
+    with_thread = beside(threading.Thread(target=_decode_forever, args=(frames, stop)), stop)
     ctx = mp.get_context("fork")
-    pstop = ctx.Event()
-    proc = ctx.Process(target=_decode_forever, args=(frames, pstop))
-    proc.start()
-    time.sleep(0.2)
-    with_process = per_batch_us()
-    pstop.set()
-    proc.join()
+    stop = ctx.Event()
+    with_process = beside(ctx.Process(target=_decode_forever, args=(frames, stop)), stop)
     print(f"batch copy, median of {args.repeats} x {args.batches} batches: alone {alone:.0f} us; beside a decode "
           f"thread {with_thread:.0f} us ({with_thread / alone:.1f}x); beside a decode process {with_process:.0f} us "
           f"({with_process / alone:.1f}x)")
