@@ -27,7 +27,7 @@ from storage import codec
 
 CHUNK = 8 << 20
 BUFFERS = 3     # bounce buffers: up to BUFFERS - 1 writes queued while the next one is filled
-IO_THREADS = 1  # one writer in file order, like the sequential-write reference (more were slower on virtio)
+IO_THREADS = 1  # one writer in file order, as the path's sequential-write reference writes
 _ALIGN = 4096
 
 
