@@ -45,8 +45,8 @@ class LoaderConfig:
     def threads(self) -> int:
         """Prefetch threads to start. Auto (0): 16 for a remote dataset, whose reads wait on the network;
         locally, where the threads decode, the CPUs this process may use minus one for the packing thread
-        (1 to 8): more decode threads than spare cores only pass the GIL back and forth (bench_loader on
-        2 cores: medians of 1.45x webdataset's throughput over 5 runs with 1 thread, 1.26x with 4)."""
+        (1 to 8): more decode threads than spare cores only pass the GIL back and forth. Locally the auto
+        default decodes in processes instead (decoders()), and these threads only fetch the shard indexes.
         if self.prefetch_threads:
             return self.prefetch_threads
         from storage import fs
