@@ -46,7 +46,7 @@ class LoaderConfig:
         """Prefetch threads to start. Auto (0): 16 for a remote dataset, whose reads wait on the network;
         locally, where the threads decode, the CPUs this process may use minus one for the packing thread
         (1 to 8): more decode threads than spare cores only pass the GIL back and forth. Locally the auto
-        default decodes in processes instead (decoders()), and these threads only fetch the shard indexes.
+        default decodes in processes instead (decoders()), and these threads only fetch the shard indexes."""
         if self.prefetch_threads:
             return self.prefetch_threads
         from storage import fs
