@@ -27,7 +27,7 @@ from storage import codec
 
 CHUNK = 8 << 20
 BUFFERS = 3     # bounce buffers: up to BUFFERS - 1 writes queued while the next one is filled
-IO_THREADS = 1  # one writer in file order, as the path's sequential-write reference writes
+IO_THREADS = 4  # writes in flight at once: with one, the device idles between a write's end and the next
 _ALIGN = 4096
 
 

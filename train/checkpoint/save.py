@@ -1,8 +1,8 @@
 """Asynchronous sharded saves through megatron dist_checkpointing.
 
 A save has three phases:
-1. stage (training waits): build the sharded state dict, write the small files (train_state.pt,
-   rng/rankN.pt), plan the write (`dist_checkpointing.save(async)`), and start the copy of every tensor
+1. stage (training waits): build the sharded state dict, take a copy of the small state (train state,
+   RNG states; written to train_state.pt and rng/rankN.pt in phase 2), plan the write (`dist_checkpointing.save(async)`), and start the copy of every tensor
    to reused host buffers; the copy runs beside the next forward/backward, and training waits for it
    only if it is not done when the optimizer is about to step (`wait_staged`);
 2. write (background thread): the AsyncRequest's write function (raw tensor bytes for full checkpoints,
@@ -14,6 +14,7 @@ A write that fails on any rank is reported by every rank and the checkpoint is n
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -79,7 +80,9 @@ class PendingSave:
         return layout.ckpt_name(self.step)
 
 
-def _run_request(req: AsyncRequest, step: int, staging: Future | None) -> None:
+def _run_request(req: AsyncRequest, step: int, staging: Future | None, small: dict[str, object]) -> None:
+    for path, obj in small.items():  # copies taken at stage time (train_state.pt, rng/rankN.pt)
+        torch.save(obj, path)
     if staging is not None:
         staging.result()  # the host copy the write reads
     if os.environ.get(FAIL_ENV) == str(step):
@@ -157,12 +160,13 @@ class Saver:
         req = dist_checkpointing.save(sd, tmp, sharded_strategy=strategy, async_sharded_save=True,
                                       validate_access_integrity=not self._validated)
         self._validated = True
-        # the small per-rank files go in after megatron has checked that the folder is empty
+        # the small per-rank files go in after megatron has checked that the folder is empty; their content
+        # is copied now (the training loop changes it next step) and serialized by the writer thread
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-        torch.save(state_io.rng_state(), os.path.join(tmp, "rng", f"rank{self.rank:05d}.pt"))
+        small = {os.path.join(tmp, "rng", f"rank{self.rank:05d}.pt"): copy.deepcopy(state_io.rng_state())}
         if self.rank == 0:
-            torch.save(state_io.train_state_dict(state), os.path.join(tmp, "train_state.pt"))
-        future = self._writer.submit(_run_request, req, step, staging)
+            small[os.path.join(tmp, "train_state.pt")] = copy.deepcopy(state_io.train_state_dict(state))
+        future = self._writer.submit(_run_request, req, step, staging, small)
         stall = time.perf_counter() - t0
         self.last_stall_s = stall
         self.pending = PendingSave(step, kind, base_name if kind == "incremental" else None, tmp, req, future,
