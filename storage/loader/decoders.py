@@ -99,7 +99,11 @@ class DecoderPool:
         proc, self._next = self._next, (self._next + 1) % self.n
         job = Pending(self, bid, proc, slot)
         self._waiting[proc].append(job)
-        os.write(self.req_w[proc], _REQ.pack(bid, slot))
+        try:
+            os.write(self.req_w[proc], _REQ.pack(bid, slot))
+        except BrokenPipeError:  # the decoder is gone: say how it ended
+            self._check_alive(proc, wait=True)
+            raise
         return job
 
     def free(self, job: Pending) -> None:

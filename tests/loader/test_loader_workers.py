@@ -139,6 +139,21 @@ def test_decoder_arena_overflow_decodes_in_the_asking_thread(mixed_ds, loader_fa
     assert all(code == 0 for code in pool.exitcodes.values())
 
 
+def test_submitting_to_a_dead_decoder_says_how_it_ended(mixed_ds, loader_factory):
+    """A block sent to a decoder that has died (its request pipe broken) is reported with the decoder's exit
+    code, not as a bare BrokenPipeError."""
+    from storage.loader.decoders import DecoderPool
+
+    pool = DecoderPool(loader_factory(mixed_ds).store, 1, slots=4)
+    try:
+        os.kill(pool.pids[0], signal.SIGKILL)
+        os.waitid(os.P_PID, pool.pids[0], os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+        with pytest.raises(RuntimeError, match=r"decode process 0 .*exited with code -9"):
+            pool.submit(0)
+    finally:
+        pool.close()
+
+
 def test_decoder_errors_and_deaths_reach_the_consumer(tmp_path, corrupt_ds, loader_factory, ld):
     root, shard = corrupt_ds["root"], corrupt_ds["shard"]
     with pytest.raises(ShardError, match="checksum") as ei:
