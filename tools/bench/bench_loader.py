@@ -13,9 +13,11 @@ int64 batches [batch, seq_len + 1]:
 - raw: read each shard file whole, slice members by the index, decompress, pack; one thread, in order.
 Each run is one pass over the data; the time to the first batch (start-up) and the throughput after it
 are reported apart, since a training run pays the start-up once. Then, ours alone: throughput and RSS
-per 10k sequences over a long run (flatness), and consumer wait with a simulated 50 ms training step.
+per 10k sequences over a long run (flatness: each window's median over --long-runs repeats, beside the
+same figure for the stateless raw reader as the machine's own noise), and consumer wait with a simulated
+50 ms training step.
 
-    python tools/bench/bench_loader.py [--runs 5] [--long 200000] [--append docs/benchmarks.md]
+    python tools/bench/bench_loader.py [--runs 5] [--long 200000] [--long-runs 5] [--append docs/benchmarks.md]
 """
 from __future__ import annotations
 
@@ -43,6 +45,12 @@ from storage.loader.bench import run_bench
 from storage.manifest import Manifest, Phase, TokenizerInfo, write_manifest
 from storage.shards import TAR_BLOCK, parse_index
 from tools.bench.bench_shards import real_tokens
+
+EVERY = 10_000  # sequences per window of the flatness runs
+# Windows of the flatness runs counted as warm-up (shown, but not in the flatness figure): the first holds
+# the start-up; the second is still slower in every repeat, the decode process taking more page faults
+# there than in any later window.
+WARMUP_WINDOWS = 2
 
 
 def build(root: str, tokens: np.ndarray) -> None:
@@ -142,7 +150,24 @@ def raw_windows(shards: list[str], seq_len: int, batch: int, sequences: int, eve
                 last_n, last_t = n, now
             if n >= sequences:
                 break
-    return rates[1:-1]
+    return rates
+
+
+def flatness(rates: list[list[float]], args) -> str:
+    """Per-window medians over the repeats; min/median/max and the largest deviation from the median over the
+    windows after the warm-up (WARMUP_WINDOWS) and before the last (which may be short)."""
+    n, warm = min(len(r) for r in rates), WARMUP_WINDOWS
+    med = [statistics.median(r[i] for r in rates) for i in range(n)]
+    steady = med[warm:n - 1]
+    head, tail = " ".join(f"{x:.0f}" for x in med[:warm]), " ".join(f"{x:.0f}" for x in med[warm:])
+    mid = statistics.median(steady)
+    dev = max(abs(x - mid) for x in steady) / mid
+    return (f"{args.long:,} sequences, {len(rates)} repeats; per window of {EVERY:,} sequences (median over the "
+            f"repeats), Mtok/s in order: {head} | {tail} "
+            f"(warm-up before the bar); after the warm-up min/median/max "
+            f"{min(steady):.0f}/{mid:.0f}/{max(steady):.0f}, "
+            f"largest deviation from the median **{100 * dev:.1f} %** (goal +-5 %), peak to peak "
+            f"{100 * (max(steady) - min(steady)) / mid:.1f} %")
 
 
 def cpu_s() -> float:
@@ -161,6 +186,7 @@ def main() -> None:
                     "path and of the webdataset DataLoader path")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--long", type=int, default=200_000, help="sequences for the flatness run (0: skip)")
+    ap.add_argument("--long-runs", type=int, default=5, help="repeats of the flatness run (per-window medians)")
     ap.add_argument("--long-cache-mib", type=int, default=128, help="max_bytes_in_flight of the long runs, MiB "
                     "(below the dataset's size, above two shuffle windows' blocks)")
     ap.add_argument("--append", help="append a results section to this markdown file")
@@ -204,14 +230,19 @@ def main() -> None:
     cpu_rate = {k: tok / statistics.median(v) for k, v in cpu.items()}
     ours_d, ours_w, ours_t, peer, peer_w, raw = paths
 
-    # a cache budget below the dataset's size: every epoch reads and decodes its blocks again
-    longs, waits = {}, {}
-    for name, c in ((ours_d, cfg), (ours_w, cfg_w), (ours_t, cfg_t)):
-        if args.long:
-            longs[name] = run_bench(dataclasses.replace(c, max_bytes_in_flight=args.long_cache_mib << 20),
-                                    args.batch, args.long, 10_000)
-        waits[name] = run_bench(c, args.batch, 200 * args.batch, 10**9, step_s=0.05)
-    control = raw_windows(shards, args.seq_len, args.batch, args.long, 10_000) if args.long else None
+    # a cache budget below the dataset's size: every epoch reads and decodes its blocks again. Each long
+    # run is repeated (interleaved with the raw control) and every window's figure is its median over the
+    # repeats: a burst of other load on this shared machine hits one window of one repeat, a loader that
+    # slows down (or grows) with the step count shows in every repeat.
+    longs: dict[str, list[dict]] = {ours_d: [], ours_w: [], ours_t: []}
+    control: list[list[float]] = []
+    configs = ((ours_d, cfg), (ours_w, cfg_w), (ours_t, cfg_t))
+    for _ in range(args.long_runs if args.long else 0):
+        for name, c in configs:
+            longs[name].append(run_bench(dataclasses.replace(c, max_bytes_in_flight=args.long_cache_mib << 20),
+                                         args.batch, args.long, EVERY))
+        control.append(raw_windows(shards, args.seq_len, args.batch, args.long, EVERY))
+    waits = {name: run_bench(c, args.batch, 200 * args.batch, 10**9, step_s=0.05) for name, c in configs}
     shutil.rmtree(tmp)
 
     lines = [f"| {k} | {1e3 * statistics.median(first[k]):.1f} | {steady[k] / 1e6:.1f} | {whole[k] / 1e6:.1f} | "
@@ -227,29 +258,22 @@ def main() -> None:
     for name in (ours_d, ours_w, ours_t):
         summary.append(f"- consumer wait with a 50 ms step, {name}: {100 * waits[name]['wait_fraction_of_step']:.2f} % "
                        "of step time over 200 steps (goal < 1 %)")
-        long = longs.get(name)
-        if long:
-            w = [r["tokens_per_s"] / 1e6 for r in (long["windows"][1:-1] or long["windows"])]
-            c = [1000 * r["cpu_s_per_1k_seq"] for r in (long["windows"][1:-1] or long["windows"])]
-            summary.append(
-                f"- long run, {name} ({args.long:,} sequences, {args.long_cache_mib} MiB block budget so every epoch "
-                f"re-reads): {long['tokens_per_s'] / 1e6:.1f} Mtok/s overall; per window of 10k sequences (first and "
-                f"last left out) wall throughput min/median/max {min(w):.1f}/{statistics.median(w):.1f}/{max(w):.1f} "
-                f"Mtok/s (peak-to-peak {100 * long['throughput_spread']:.0f} % of the mean, goal +-5 %), consumer CPU "
-                f"ms per 1k sequences {min(c):.1f}/{statistics.median(c):.1f}/{max(c):.1f}; RSS "
-                f"{long['rss_mib_first']:.0f} → {long['rss_mib_last']:.0f} MiB, of it anonymous (heap) "
-                f"{long['rss_anon_mib_first']:.0f} → {long['rss_anon_mib_last']:.0f} MiB (the rest: mapped shard "
-                "pages, dropped every 256 MiB read). Per window, in order: Mtok/s "
-                f"{' '.join(f'{x:.0f}' for x in w)}")
+        if longs[name]:
+            rates = [[r["tokens_per_s"] / 1e6 for r in run["windows"]] for run in longs[name]]
+            summary.append(f"- long run, {name}, {args.long_cache_mib} MiB block budget so every epoch re-reads: "
+                           + flatness(rates, args) + "; anonymous (heap) RSS per repeat "
+                           + ", ".join(f"{run['rss_anon_mib_first']:.0f} → {run['rss_anon_mib_last']:.0f}"
+                                       for run in longs[name])
+                           + " MiB (RSS with the mapped shard pages, which are dropped every 256 MiB read: "
+                           + ", ".join(f"{run['rss_mib_first']:.0f} → {run['rss_mib_last']:.0f}"
+                                       for run in longs[name]) + " MiB)")
     if control:
-        summary.append(f"- control, raw read + decode over the same {args.long:,} sequences: per window of 10k "
-                       f"sequences min/median/max {min(control):.0f}/{statistics.median(control):.0f}/"
-                       f"{max(control):.0f} Mtok/s, peak-to-peak "
-                       f"{100 * (max(control) - min(control)) / statistics.mean(control):.0f} % of the mean: the "
-                       "spread a stateless in-order reader shows on this machine")
+        summary.append("- control, raw read + decode (stateless, in order) over the same sequences: "
+                       + flatness(control, args) + ": the window-to-window noise of this machine")
     report = "\n".join([
         f"### Streaming loader vs webdataset vs raw read ({date.today()})", "",
-        (f"Command: `python tools/bench/bench_loader.py --runs {args.runs} --long {args.long}`; machine: "
+        (f"Command: `python tools/bench/bench_loader.py --runs {args.runs} --long {args.long} "
+        f"--long-runs {args.long_runs}`; machine: "
         f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
         f"data: {origin}; {len(shards)} shards, {ds.manifest.total_tokens:,} tokens; seq_len {args.seq_len}, "
         f"batch {args.batch}, {n_batches} batches per path per run (one pass), prefetch_batches "
