@@ -8,7 +8,9 @@ written to `WORK/slurm/` instead of being submitted (no Slurm here).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import sys
 
 from datatrove.executor.local import LocalPipelineExecutor
@@ -16,13 +18,41 @@ from datatrove.executor.local import LocalPipelineExecutor
 from datapipe.config import ExecutorConfig
 
 
-class QuietLocalExecutor(LocalPipelineExecutor):
-    """datatrove prints a task's INFO logs on the console when its worker slot (local_rank) is 0, and
-    worker processes (forkserver) do not inherit `quiet_datatrove`'s patch; local_rank is used for
-    nothing but logging, so shifting it keeps every worker's console at ERROR. Full logs still go to
-    each stage's logging_dir."""
+class LocalExecutor(LocalPipelineExecutor):
+    """datatrove's local executor with two changes:
+    - its Manager process (otherwise left blocked forever) and its pool workers are killed when their
+      parent dies (the build itself; the forkserver, which exits with the build), so a build killed with
+      SIGKILL leaves no process behind, and no orphaned worker finishes a task beside the rerun of it;
+    - with `quiet`, every worker's console stays at WARNING: datatrove prints a task's INFO logs there when
+      its worker slot (local_rank) is 0, and forkserver workers do not inherit `quiet_datatrove`'s patch;
+      local_rank is used for nothing but logging, so it is shifted. Full logs go to the stage's logging_dir.
+    """
+
+    def __init__(self, *args, quiet: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.quiet, self.main_pid = quiet, os.getpid()
+
+    def run(self):
+        # datatrove also starts a multiprocess Manager (a forked server process for its task counter);
+        # it is given the same fate as the workers. Its start() is wrapped only while this run starts it.
+        from multiprocess import managers
+
+        start = managers.BaseManager.start
+
+        def start_dying_with_parent(mgr, initializer=None, initargs=()):
+            return start(mgr, initializer or _die_with_parent, initargs)
+
+        managers.BaseManager.start = start_dying_with_parent
+        try:
+            return super().run()
+        finally:
+            managers.BaseManager.start = start
 
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
+        if os.getpid() != self.main_pid:  # a pool worker (with workers == 1 tasks run in the build itself)
+            _die_with_parent()
+        if not self.quiet:
+            return super()._run_for_rank(rank, local_rank, node_rank)
         from loguru import logger
 
         try:
@@ -30,6 +60,16 @@ class QuietLocalExecutor(LocalPipelineExecutor):
         finally:  # datatrove re-adds a DEBUG console sink when a task ends; its "N/M tasks" lines follow
             logger.remove()
             logger.add(sys.stderr, level="WARNING")
+
+
+def _die_with_parent() -> None:
+    """Have Linux SIGKILL this process when its parent exits (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the call took effect
+        os._exit(1)
 
 
 @contextlib.contextmanager
@@ -108,9 +148,8 @@ def _run_stage(ex: ExecutorConfig, name: str, pipeline: list, tasks: int, worker
         RayPipelineExecutor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)), logging_dir=logging_dir,
                             cpus_per_task=ex.ray.cpus_per_task).run()
     else:
-        executor = LocalPipelineExecutor if verbose else QuietLocalExecutor
-        executor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)),
-                 logging_dir=logging_dir, skip_completed=True).run()
+        LocalExecutor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)), logging_dir=logging_dir,
+                      skip_completed=True, quiet=not verbose).run()
     _check_complete(name, logging_dir, tasks)
 
 

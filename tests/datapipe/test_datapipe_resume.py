@@ -24,9 +24,9 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _run(config: Path, kill_when: Path | None = None) -> bool:
-    """Run `datapipe build`; with kill_when, SIGKILL it as soon as that path exists. True if killed.
-    The build runs in its own process group and the whole group is killed, as a crashed or cancelled
-    job is (killing only the parent left datatrove's pool workers blocked, one pair per test run)."""
+    """Run `datapipe build`; with kill_when, SIGKILL it (the build process alone, as the OOM killer or a
+    crash would) as soon as that path exists. True if killed. Its datatrove pool workers must then go too:
+    none of the build's process group may be left after a few seconds."""
     cmd = [sys.executable, "-m", "datapipe.cli", "build", str(config), "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     if kill_when is None:
@@ -35,11 +35,26 @@ def _run(config: Path, kill_when: Path | None = None) -> bool:
         return False
     while proc.poll() is None:
         if kill_when.exists() and any(kill_when.iterdir()):
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
             proc.wait()
+            _assert_group_gone(proc.pid)
             return True
         time.sleep(0.005)
     return False
+
+
+def _assert_group_gone(pgid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    ps = subprocess.run(["ps", "-e", "-o", "pgid=,pid=,args="], check=False, capture_output=True, text=True).stdout
+    left = "\n".join(line for line in ps.splitlines() if line.split()[0] == str(pgid))
+    os.killpg(pgid, signal.SIGKILL)
+    raise AssertionError(f"processes of the killed build still running after {timeout:.0f} s:\n{left}")
 
 
 @pytest.mark.slow
