@@ -8,14 +8,13 @@ written to `WORK/slurm/` instead of being submitted (no Slurm here).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
 import sys
 
 from datatrove.executor.local import LocalPipelineExecutor
 
 from datapipe.config import ExecutorConfig
+from storage.lifecycle import die_with_parent, managers_die_with_parent
 
 
 class LocalExecutor(LocalPipelineExecutor):
@@ -33,24 +32,14 @@ class LocalExecutor(LocalPipelineExecutor):
         self.quiet, self.main_pid = quiet, os.getpid()
 
     def run(self):
-        # datatrove also starts a multiprocess Manager (a forked server process for its task counter);
-        # it is given the same fate as the workers. Its start() is wrapped only while this run starts it.
         from multiprocess import managers
 
-        start = managers.BaseManager.start
-
-        def start_dying_with_parent(mgr, initializer=None, initargs=()):
-            return start(mgr, initializer or _die_with_parent, initargs)
-
-        managers.BaseManager.start = start_dying_with_parent
-        try:
+        with managers_die_with_parent(managers):  # datatrove's task counter lives in a Manager process
             return super().run()
-        finally:
-            managers.BaseManager.start = start
 
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
         if os.getpid() != self.main_pid:  # a pool worker (with workers == 1 tasks run in the build itself)
-            _die_with_parent()
+            die_with_parent()
         if not self.quiet:
             return super()._run_for_rank(rank, local_rank, node_rank)
         from loguru import logger
@@ -60,16 +49,6 @@ class LocalExecutor(LocalPipelineExecutor):
         finally:  # datatrove re-adds a DEBUG console sink when a task ends; its "N/M tasks" lines follow
             logger.remove()
             logger.add(sys.stderr, level="WARNING")
-
-
-def _die_with_parent() -> None:
-    """Have Linux SIGKILL this process when its parent exits (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before the call took effect
-        os._exit(1)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 verification, retention, cadence, `train ckpt list|verify`."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -173,3 +174,45 @@ def test_cli_list_and_verify(tmp_path):
     assert r.exit_code == 0 and r.output.count("ok") == 2
     r = CliRunner().invoke(ckpt, ["verify", str(tmp_path)])
     assert r.exit_code == 1 and "FAIL step_00000006" in r.output and "manifest.json is missing" in r.output
+
+
+_KILLED_TRAINER = """
+import os, signal, sys
+from train import cpu_compat
+cpu_compat.install()
+import psutil, torch.distributed as dist
+from train.checkpoint import CheckpointConfig, CheckpointManager
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    CheckpointManager(CheckpointConfig(dir="c"), sys.argv[1])  # starts megatron's results-queue Manager
+    print(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_helper_processes_die_with_a_killed_trainer(tmp_path):
+    """megatron's async writer keeps a Manager process (spawned); a training process killed with SIGKILL
+    must not leave it behind."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "trainer.py"
+    script.write_text(_KILLED_TRAINER)
+    # the helpers inherit stdout: read the pid line, not to EOF (which a surviving helper would hold off)
+    with subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True) as proc:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert proc.wait(timeout=120) == -9
+    assert pids, "the trainer started no helper process: nothing to check"
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        if time.monotonic() > deadline:
+            for p in pids:
+                with contextlib.suppress(psutil.Error):
+                    psutil.Process(p).kill()
+            raise AssertionError(f"helper processes {pids} outlived the killed trainer")
+        time.sleep(0.05)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import multiprocessing.managers
 import os
 import shutil
 import time
@@ -29,6 +30,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from storage.lifecycle import managers_die_with_parent
 from train.checkpoint import layout, state_io
 from train.checkpoint.config import CheckpointConfig
 from train.checkpoint.incremental import raw_snapshot
@@ -118,9 +120,11 @@ class Saver:
         self.last_tensor_write: tuple[int, float] | None = None  # (bytes, seconds) of the last raw full save
         # torch_dist's async writer starts a spawn-based results queue on first use (seconds): start it
         # here, before training, instead of inside the first save's stall.
+        # Its Manager process dies with this one (else a kill -9 of training leaves it behind).
         try:
             from megatron.core.dist_checkpointing.strategies import filesystem_async
-            filesystem_async._get_write_results_queue()
+            with managers_die_with_parent(multiprocessing.managers):
+                filesystem_async._get_write_results_queue()
         except (ImportError, AttributeError):  # a megatron without it: started on first save instead
             log.debug("megatron results queue not pre-started")
 
