@@ -6,6 +6,7 @@
 - `storage.manifest`: `manifest.json` (tokenizer, shards with sha256, stats, mix schedule).
 - `storage.fs`: local paths and fsspec URLs, atomic writes, range reads with retries.
 - `storage.config` / `storage.cliutil`: typed YAML configs with `--set` overrides, shared by all CLIs.
+- `storage.lifecycle`: helper processes (Manager servers, pool workers) that die with their parent.
 - `storage.loader`: the streaming loader (elastic global order, mixing, prefetch, resume).
 - `storage.bench`: `storage bench` (throughput, IOPS, latency, fio comparison, verdicts).
 - `storage.cli`: the `storage` command (inspect, verify, bench, bench-loader).
