@@ -22,6 +22,13 @@ def _rng(*words: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(w) for w in words])))
 
 
+def distinct_values(a: np.ndarray) -> np.ndarray:
+    """np.unique(a), with a shortcut for the usual case of planning: all equal (one source, one epoch)."""
+    if len(a) and (a == a[0]).all():
+        return a[:1]
+    return np.unique(a)
+
+
 def source_key(name: str) -> int:
     """A stable integer for a source name (Python's hash() is salted per process)."""
     return zlib.crc32(name.encode())
@@ -80,9 +87,12 @@ class SourceOrder:
         """(epoch, window, position within the window before the shuffle) of cursors ks, vectorized."""
         e, j = np.divmod(ks, self.n_seq)
         w, o = np.divmod(j, self.window)
-        pos = np.empty_like(ks)
         pair = e * (self.n_seq // self.window + 2) + w
-        for pv in np.unique(pair):
+        windows = distinct_values(pair)
+        if len(windows) == 1:
+            return e, w, self._window(int(e[0]), int(w[0]))[o]
+        pos = np.empty_like(ks)
+        for pv in windows:
             m = pair == pv
             pos[m] = self._window(int(e[m][0]), int(w[m][0]))[o[m]]
         return e, w, pos
@@ -101,7 +111,7 @@ class SourceOrder:
         t0 = (w * self.window + pos) * self.seq_len
         t1 = t0 + self.seq_len + 1
         parts = []
-        for ee in np.unique(e):
+        for ee in distinct_values(e):
             idx = np.flatnonzero(e == ee)
             perm, ends = self._epoch(int(ee))
             i0 = np.searchsorted(ends, t0[idx], side="right")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from storage.loader.order import SourceOrder
+from storage.loader.order import SourceOrder, distinct_values
 from storage.loader.prefetch import BlockId, BlockStore, block_id, split_id
 from storage.shards import ShardError
 
@@ -61,42 +61,59 @@ def plan(first: int, srcs: np.ndarray, curs: np.ndarray, rows: int, orders: list
     in one vectorized pass. `part` = (p, n): only the rows from the p-th of n stretches of their shuffle window
     (SourceOrder.part_of), so n worker processes share each batch and each reads ~1/n of the blocks."""
     parts = [(np.empty(0, np.int64),) * 5]
-    for s in np.unique(srcs):
+    for s in distinct_values(srcs):
         idx = np.flatnonzero(srcs == s)
         if part is not None:
             idx = idx[orders[int(s)].part_of(curs[idx], part[1]) == part[0]]
         which, b, a, z, d = orders[int(s)].locate(curs[idx])
         parts.append((idx[which], (int(s) << 40) | b, a, z, d))
     grow, bid, start, stop, dst = (np.concatenate(x) for x in zip(*parts))
-    order = np.lexsort((dst, grow))  # row-major output order
-    grow, bid, start, stop = grow[order], bid[order], start[order], stop[order]
+    if len(parts) > 2:  # several sources: merge their pieces into row-major output order (one source's
+        order = np.lexsort((dst, grow))  # pieces come out of locate in that order already)
+        grow, bid, start, stop = grow[order], bid[order], start[order], stop[order]
     n_batches = len(srcs) // rows
     batch = grow // rows
-    distinct, first_use, dense = np.unique(bid, return_index=True, return_inverse=True)
-    by_use = np.argsort(first_use)  # blocks in the order the batches first need them: reads are queued so
+    # distinct blocks in the order the batches first need them (reads are queued in that order, so the
+    # first batch does not wait for the chunk's last block), and each piece's index among them
+    by_value = np.argsort(bid, kind="stable")
+    group = _run_starts(bid[by_value])
+    first_use = by_value[group]  # stable: the first piece of each block
+    by_use = np.argsort(first_use)
     rank = np.empty_like(by_use)
     rank[by_use] = np.arange(len(by_use))
-    distinct, dense = distinct[by_use], rank[dense]  # the first batch does not wait for the chunk's last block
+    dense = np.empty_like(by_value)
+    dense[by_value] = rank[np.cumsum(group) - 1]
+    distinct = bid[first_use[by_use]]
     nd = max(1, len(distinct))
     # each batch's distinct blocks: distinct (batch, block) pairs, in ascending order
-    pair = np.unique(batch * nd + dense)
-    pair_cut = np.searchsorted(pair, np.arange(n_batches + 1) * nd)
-    piece_cut = np.searchsorted(batch, np.arange(n_batches + 1))
-    pair_block = pair % nd
+    pair = np.sort(batch * nd + dense)
+    pair = pair[_run_starts(pair)]
+    pair_cut = np.searchsorted(pair, np.arange(n_batches + 1) * nd).tolist()
+    piece_cut = np.searchsorted(batch, np.arange(n_batches + 1)).tolist()
+    pair_block, dense_l, start_l, stop_l = (pair % nd).tolist(), dense.tolist(), start.tolist(), stop.tolist()
+    row_in_batch = grow - batch * rows
     chunk, plans = Chunk(distinct.tolist(), srcs, curs, [None] * len(distinct), n_batches), []
     if part is not None:  # the rows this worker fills, per batch, and each piece's index among them
         own = np.unique(grow)
         own_cut = np.searchsorted(own, np.arange(n_batches + 1) * rows)
         own_pos = np.searchsorted(own, grow)
     for i in range(n_batches):
-        ps, rs = slice(piece_cut[i], piece_cut[i + 1]), slice(i * rows, (i + 1) * rows)
-        row, rows_out = grow[ps] - i * rows, None
+        p0, p1, rs = piece_cut[i], piece_cut[i + 1], slice(i * rows, (i + 1) * rows)
+        row, rows_out = row_in_batch[p0:p1], None
         if part is not None:
             rows_out = own[own_cut[i]:own_cut[i + 1]] - i * rows
-            row = own_pos[ps] - own_cut[i]
-        plans.append(Plan(first + i, srcs[rs], curs[rs], chunk, pair_block[pair_cut[i]:pair_cut[i + 1]].tolist(),
-                          dense[ps].tolist(), start[ps].tolist(), stop[ps].tolist(), row, rows_out))
+            row = own_pos[p0:p1] - own_cut[i]
+        plans.append(Plan(first + i, srcs[rs], curs[rs], chunk, pair_block[pair_cut[i]:pair_cut[i + 1]],
+                          dense_l[p0:p1], start_l[p0:p1], stop_l[p0:p1], row, rows_out))
     return plans
+
+
+def _run_starts(sorted_values: np.ndarray) -> np.ndarray:
+    """Mask of the first element of each run of equal values (in a sorted array)."""
+    flag = np.empty(len(sorted_values), dtype=bool)
+    flag[:1] = True
+    np.not_equal(sorted_values[1:], sorted_values[:-1], out=flag[1:])
+    return flag
 
 
 def acquire(c: Chunk, store: BlockStore) -> None:
