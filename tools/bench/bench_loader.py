@@ -13,8 +13,9 @@ int64 batches [batch, seq_len + 1]:
 - raw: read each shard file whole, slice members by the index, decompress, pack; one thread, in order.
 Each run is one pass over the data; the time to the first batch (start-up) and the throughput after it
 are reported apart, since a training run pays the start-up once. Then, ours alone: throughput and RSS
-per 10k sequences over a long run (flatness: each window's median over --long-runs repeats, beside the
-same figure for the stateless raw reader as the machine's own noise), and consumer wait with a simulated
+per 10k sequences over a long run (flatness: each window's median over the repeats, beside the same
+figure for a stateless raw reader as the machine's own noise; repeats are added, from --long-runs up to
+--long-runs-max, until that control deviates at most --control-floor), and consumer wait with a simulated
 50 ms training step.
 
     python tools/bench/bench_loader.py [--runs 5] [--long 200000] [--long-runs 5] [--append docs/benchmarks.md]
@@ -153,15 +154,26 @@ def raw_windows(shards: list[str], seq_len: int, batch: int, sequences: int, eve
     return rates
 
 
+def window_medians(rates: list[list[float]]) -> list[float]:
+    n = min(len(r) for r in rates)
+    return [statistics.median(r[i] for r in rates) for i in range(n)]
+
+
+def largest_deviation(rates: list[list[float]]) -> float:
+    """Largest deviation (%) of a per-window median from the median of them, over the windows after the
+    warm-up (WARMUP_WINDOWS) and before the last (which may be short)."""
+    steady = window_medians(rates)[WARMUP_WINDOWS:-1]
+    mid = statistics.median(steady)
+    return 100 * max(abs(x - mid) for x in steady) / mid
+
+
 def flatness(rates: list[list[float]], args) -> str:
-    """Per-window medians over the repeats; min/median/max and the largest deviation from the median over the
-    windows after the warm-up (WARMUP_WINDOWS) and before the last (which may be short)."""
-    n, warm = min(len(r) for r in rates), WARMUP_WINDOWS
-    med = [statistics.median(r[i] for r in rates) for i in range(n)]
-    steady = med[warm:n - 1]
+    """Per-window medians over the repeats, and min/median/max and largest_deviation after the warm-up."""
+    med, warm = window_medians(rates), WARMUP_WINDOWS
+    steady = med[warm:-1]
     head, tail = " ".join(f"{x:.0f}" for x in med[:warm]), " ".join(f"{x:.0f}" for x in med[warm:])
     mid = statistics.median(steady)
-    dev = max(abs(x - mid) for x in steady) / mid
+    dev = largest_deviation(rates) / 100
     return (f"{args.long:,} sequences, {len(rates)} repeats; per window of {EVERY:,} sequences (median over the "
             f"repeats), Mtok/s in order: {head} | {tail} "
             f"(warm-up before the bar); after the warm-up min/median/max "
@@ -186,7 +198,11 @@ def main() -> None:
                     "path and of the webdataset DataLoader path")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--long", type=int, default=200_000, help="sequences for the flatness run (0: skip)")
-    ap.add_argument("--long-runs", type=int, default=5, help="repeats of the flatness run (per-window medians)")
+    ap.add_argument("--long-runs", type=int, default=5, help="repeats of the flatness run (per-window medians), "
+                    "at least")
+    ap.add_argument("--long-runs-max", type=int, default=15, help="repeats at most, added while the raw "
+                    "control's largest deviation is above --control-floor")
+    ap.add_argument("--control-floor", type=float, default=2.5, help="percent; see --long-runs-max")
     ap.add_argument("--long-cache-mib", type=int, default=128, help="max_bytes_in_flight of the long runs, MiB "
                     "(below the dataset's size, above two shuffle windows' blocks)")
     ap.add_argument("--append", help="append a results section to this markdown file")
@@ -233,11 +249,15 @@ def main() -> None:
     # a cache budget below the dataset's size: every epoch reads and decodes its blocks again. Each long
     # run is repeated (interleaved with the raw control) and every window's figure is its median over the
     # repeats: a burst of other load on this shared machine hits one window of one repeat, a loader that
-    # slows down (or grows) with the step count shows in every repeat.
+    # slows down (or grows) with the step count shows in every repeat. Repeats are added (up to
+    # --long-runs-max) until the control's own deviation is at most --control-floor: a measurement whose
+    # noise floor is near the +-5 % goal could not tell a flat loader from one that is not. The rule looks
+    # at the control only, never at ours.
     longs: dict[str, list[dict]] = {ours_d: [], ours_w: [], ours_t: []}
     control: list[list[float]] = []
     configs = ((ours_d, cfg), (ours_w, cfg_w), (ours_t, cfg_t))
-    for _ in range(args.long_runs if args.long else 0):
+    while args.long and (len(control) < args.long_runs
+                         or (len(control) < args.long_runs_max and largest_deviation(control) > args.control_floor)):
         for name, c in configs:
             longs[name].append(run_bench(dataclasses.replace(c, max_bytes_in_flight=args.long_cache_mib << 20),
                                          args.batch, args.long, EVERY))
@@ -273,7 +293,8 @@ def main() -> None:
     report = "\n".join([
         f"### Streaming loader vs webdataset vs raw read ({date.today()})", "",
         (f"Command: `python tools/bench/bench_loader.py --runs {args.runs} --long {args.long} "
-        f"--long-runs {args.long_runs}`; machine: "
+        f"--long-runs {args.long_runs}`; {len(control)} repeats of the long runs (control floor "
+        f"{args.control_floor} %, at most {args.long_runs_max}); machine: "
         f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
         f"data: {origin}; {len(shards)} shards, {ds.manifest.total_tokens:,} tokens; seq_len {args.seq_len}, "
         f"batch {args.batch}, {n_batches} batches per path per run (one pass), prefetch_batches "
