@@ -154,31 +154,31 @@ def raw_windows(shards: list[str], seq_len: int, batch: int, sequences: int, eve
     return rates
 
 
-def window_medians(rates: list[list[float]]) -> list[float]:
+def _steady(rates: list[list[float]]) -> tuple[list[float], list[float], float]:
+    """(per-window medians over the repeats, those after the warm-up (WARMUP_WINDOWS) and before the last,
+    which may be short, and the median of the latter)."""
     n = min(len(r) for r in rates)
-    return [statistics.median(r[i] for r in rates) for i in range(n)]
+    med = [statistics.median(r[i] for r in rates) for i in range(n)]
+    steady = med[WARMUP_WINDOWS:-1]
+    return med, steady, statistics.median(steady)
 
 
 def largest_deviation(rates: list[list[float]]) -> float:
-    """Largest deviation (%) of a per-window median from the median of them, over the windows after the
-    warm-up (WARMUP_WINDOWS) and before the last (which may be short)."""
-    steady = window_medians(rates)[WARMUP_WINDOWS:-1]
-    mid = statistics.median(steady)
+    """Largest deviation (%) of a steady window's median from the median of them."""
+    _, steady, mid = _steady(rates)
     return 100 * max(abs(x - mid) for x in steady) / mid
 
 
 def flatness(rates: list[list[float]], args) -> str:
     """Per-window medians over the repeats, and min/median/max and largest_deviation after the warm-up."""
-    med, warm = window_medians(rates), WARMUP_WINDOWS
-    steady = med[warm:-1]
-    head, tail = " ".join(f"{x:.0f}" for x in med[:warm]), " ".join(f"{x:.0f}" for x in med[warm:])
-    mid = statistics.median(steady)
-    dev = largest_deviation(rates) / 100
+    med, steady, mid = _steady(rates)
+    head = " ".join(f"{x:.0f}" for x in med[:WARMUP_WINDOWS])
+    tail = " ".join(f"{x:.0f}" for x in med[WARMUP_WINDOWS:])
     return (f"{args.long:,} sequences, {len(rates)} repeats; per window of {EVERY:,} sequences (median over the "
             f"repeats), Mtok/s in order: {head} | {tail} "
             f"(warm-up before the bar); after the warm-up min/median/max "
             f"{min(steady):.0f}/{mid:.0f}/{max(steady):.0f}, "
-            f"largest deviation from the median **{100 * dev:.1f} %** (goal +-5 %), peak to peak "
+            f"largest deviation from the median **{largest_deviation(rates):.1f} %** (goal +-5 %), peak to peak "
             f"{100 * (max(steady) - min(steady)) / mid:.1f} %")
 
 

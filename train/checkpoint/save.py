@@ -2,9 +2,10 @@
 
 A save has three phases:
 1. stage (training waits): build the sharded state dict, take a copy of the small state (train state,
-   RNG states; written to train_state.pt and rng/rankN.pt in phase 2), plan the write (`dist_checkpointing.save(async)`), and start the copy of every tensor
-   to reused host buffers; the copy runs beside the next forward/backward, and training waits for it
-   only if it is not done when the optimizer is about to step (`wait_staged`);
+   RNG states; written to train_state.pt and rng/rankN.pt in phase 2), plan the write
+   (`dist_checkpointing.save(async)`), and start the copy of every tensor to reused host buffers; the
+   copy runs beside the next forward/backward, and training waits for it only if it is not done when the
+   optimizer is about to step (`wait_staged`);
 2. write (background thread): the AsyncRequest's write function (raw tensor bytes for full checkpoints,
    XOR+zstd deltas for incremental ones; torch_dist for full ones with a flattened optimizer state);
 3. finalize (all ranks, at a later step once every rank's write finished): megatron's finalize functions
