@@ -8,8 +8,8 @@
 
 Modules: `order` (per-source epochs, block permutation, window shuffle), `blend` (phases, Megatron-style
 low-discrepancy source assignment, schedule changes at resume), `prefetch` (block cache, bytes in
-flight, thread pool), `decoders` (decode processes and their shared arena), `pack` (chunks, rows from
-blocks, quarantine), `buffers` (two-slot queue, CUDA side-stream copy), `workers` (batch-building
+flight, thread pool, the decode arena), `decoders` (decode processes), `pack` (chunks, rows gathered
+from the arena, quarantine), `buffers` (two-slot queue, CUDA side-stream copy), `workers` (batch-building
 worker processes, zero-copy ring), `loader` (TokenLoader), `torchdata` (use inside a torch DataLoader
 with workers), `dali` (optional DALI block reader), `bench` (`storage bench-loader`). See
 docs/loader.md.

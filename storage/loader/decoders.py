@@ -2,20 +2,19 @@
 instead of by prefetch threads that share the packing thread's GIL.
 
 A BlockStore given a `DecoderPool` submits each block it plans to one of the processes (round robin)
-as (block id, arena slot) over a pipe; the process decodes into that slot of an anonymous shared
-mapping made before the fork and answers (slot, tokens, bytes read, status) on its own pipe, in
+as (block id, arena slot) over a pipe; the process decodes into that slot of the store's arena (an
+anonymous shared mapping made before the fork) and answers (slot, tokens, bytes read, status) on its own pipe, in
 request order. The store's thread reads answers only when it needs a block, so a block decoded ahead
 costs it one read() of 32 bytes. A corrupt block comes back as the pickled ShardError, in its slot;
 a decoder that dies is reported with its exit code; decoders exit when their request pipe closes or
 their owner dies. Decoders are forked with os.fork by the process that uses them (the training
 process in thread mode, each worker process in worker mode), which also reaps them; a decoder closes
 every inherited pipe but its own two. Local datasets only (shards are memory-mapped).
-Slots are reused last-freed first, so the arena's touched pages stay near the blocks in flight.
+Slots are the store's, reused last-freed first, so the arena's touched pages stay near the blocks in flight.
 """
 from __future__ import annotations
 
 import gc
-import mmap
 import os
 import pickle
 import select
@@ -46,7 +45,7 @@ class Pending:
         return self.tokens is not None or self.error is not None
 
     def result(self) -> tuple[np.ndarray, int | None]:
-        """(tokens, arena slot); a job the arena had no room for is decoded here, into a private buffer."""
+        """(tokens, arena slot or -1); a job the arena had no room for is decoded here, into a private buffer."""
         if self.proc < 0 and not self.done():
             try:
                 self.tokens = self.pool.store._load(self.bid, False)[0]
@@ -60,15 +59,10 @@ class Pending:
 
 
 class DecoderPool:
-    def __init__(self, store, processes: int, slots: int):
-        """Fork `processes` decoders for `store` (a BlockStore of a local dataset) with an arena of `slots`
-        decode buffers."""
+    def __init__(self, store, processes: int):
+        """Fork `processes` decoders for `store` (a BlockStore of a local dataset, its arena made)."""
         self.store, self.n = store, processes
-        self.dtype = np.dtype(f"<u{store.itemsize}")
-        self.tokens_per_slot = max(store.buffer_tokens(), 4096 // self.dtype.itemsize)  # room for an error message
-        self._mem = mmap.mmap(-1, slots * self.tokens_per_slot * self.dtype.itemsize)
-        self.arena = np.frombuffer(self._mem, dtype=self.dtype).reshape(slots, self.tokens_per_slot)
-        self._free = list(range(slots - 1, -1, -1))
+        self.arena = store.arena()
         self._waiting: list[deque[Pending]] = [deque() for _ in range(processes)]
         self._next = 0
         pipes = [os.pipe() + os.pipe() for _ in range(processes)]  # (req_r, req_w, done_r, done_w)
@@ -93,9 +87,9 @@ class DecoderPool:
     def submit(self, bid: int) -> Pending:
         """Queue block `bid`; when every slot holds a block (many small blocks within the byte budget) the
         block is decoded by the asking thread instead, on result()."""
-        if not self._free:
+        slot = self.store.take_slot()
+        if slot < 0:
             return Pending(self, bid, -1, -1)
-        slot = self._free.pop()
         proc, self._next = self._next, (self._next + 1) % self.n
         job = Pending(self, bid, proc, slot)
         self._waiting[proc].append(job)
@@ -110,7 +104,7 @@ class DecoderPool:
         """The block's slot may take another block (once its decode has finished)."""
         job.freed = True
         if job.done() and job.slot >= 0:
-            self._free.append(job.slot)
+            self.store.free_slots.append(job.slot)
 
     def _answer(self, proc: int) -> None:
         """Read the next answer of decoder `proc` and settle its oldest waiting job."""
@@ -128,7 +122,7 @@ class DecoderPool:
         else:
             job.error = pickle.loads(self.arena[slot].view(np.uint8)[:n].tobytes())
         if job.freed:
-            self._free.append(slot)
+            self.store.free_slots.append(slot)
 
     def _check_alive(self, proc: int, wait: bool = False) -> None:
         pid = self.pids[proc]

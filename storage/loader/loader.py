@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Self
 
 import numpy as np
@@ -26,7 +26,7 @@ from storage.loader.blend import Blend, mix_fingerprint
 from storage.loader.buffers import CudaStager, Failure, TwoSlotQueue
 from storage.loader.config import LoaderConfig
 from storage.loader.order import SourceOrder
-from storage.loader.pack import Packer, Plan, acquire, plan, release
+from storage.loader.pack import Packer, Plan, acquire, finish, plan_steps, release
 from storage.loader.prefetch import BlockStore, split_id
 from storage.loader.workers import WorkerPool
 from storage.manifest import Manifest, Phase, validate_mix
@@ -140,7 +140,7 @@ class TokenLoader:
         self._yielded = 0
         self._frontier = [-1] * len(self.sources)
         if self.cfg.workers:
-            self._plan(0, 1)  # fills the blend and order caches once, before the fork copies them
+            finish(self._plan(0, 1))  # fills the blend and order caches once, before the fork copies them
             self._pool = WorkerPool(self, self.cfg.workers, self.cfg.worker_slots)
             return
         if self.cfg.decoders() and self.store.decoder is None:
@@ -149,22 +149,39 @@ class TokenLoader:
         self._thread = threading.Thread(target=self._produce, name="smoltrain-loader", daemon=True)
         self._thread.start()
 
-    def _plan(self, j: int, n: int) -> list[Plan]:
-        """Plans of this instance's batches j .. j + n - 1, one chunk (not yet holding block references)."""
+    def _plan(self, j: int, n: int) -> Generator[None, None, list[Plan]]:
+        """Plans of this instance's batches j .. j + n - 1, one chunk (not yet holding block references), in
+        steps (pack.plan_steps)."""
         b = self.batch_offset + (j + np.arange(n, dtype=np.int64)) * self.batch_stride
         g = (self.consumed + b * self.G + self.rank * self.rows)[:, None] + np.arange(self.rows, dtype=np.int64)
         srcs, curs = self.blend.assign_at(g.reshape(-1))
-        return plan(j, srcs, curs, self.rows, self.orders, self._part)
+        yield
+        return (yield from plan_steps(j, srcs, curs, self.rows, self.orders, self._part))
 
     def _batches(self) -> Iterator[Plan]:
         """This instance's batch plans in order. Chunks of batches are planned and their blocks requested
-        up to prefetch_batches ahead of the batch yielded, within the byte budget (at least one chunk)."""
-        j, nxt = 0, None
+        up to prefetch_batches ahead of the batch yielded, within the byte budget (at least one chunk).
+        Planning a chunk (~1 ms for 64 batches of 32 rows) takes a few steps, and its block requests one
+        more; one of them runs every `pace` batches handed out, so the cost is spread evenly instead of
+        landing on one batch in 64. Below half of prefetch_batches planned (the start, a small
+        prefetch_batches) they all run at once."""
+        j, steps, nxt, since = 0, None, None, 0
         size = min(64, self.cfg.prefetch_batches)
+        pace = max(1, size // 16)
         while True:
             while len(self._planned) < self.cfg.prefetch_batches:
+                urgent = len(self._planned) < max(1, self.cfg.prefetch_batches // 2)
+                if not urgent and since < pace:
+                    break
                 if nxt is None:
-                    nxt, j = self._plan(j, size), j + size
+                    if steps is None:
+                        steps, j = self._plan(j, size), j + size
+                    nxt = finish(steps, None if urgent else 1)
+                    if nxt is not None:
+                        steps = None
+                    if not urgent:
+                        since = 0
+                        break
                 chunk = nxt[0].chunk
                 if self._planned and self.store.bytes_referenced + self.store.new_cost(chunk.blocks) \
                         > self.cfg.max_bytes_in_flight:
@@ -174,7 +191,10 @@ class TokenLoader:
                 for s in np.unique(chunk.srcs).tolist():  # cursors rise with g within a source
                     self._frontier[s] = int(chunk.curs[chunk.srcs == s].max())
                 self.store.sweep(self._done_with)
-                nxt = None
+                nxt, since = None, 0
+                if not urgent:
+                    break
+            since += 1
             yield self._planned.popleft()
 
     def _produce(self) -> None:
@@ -191,9 +211,13 @@ class TokenLoader:
             self._buf.put(Failure(e), self._stop)
 
     def _done_with(self, bid: int) -> bool:
+        """Whether a cached block may go: no reader needs it within one shuffle window of the planned
+        frontier. Keeping blocks for later uses (the next epoch's) would grow the cache into memory touched
+        for the first time mid-run, page faults in the critical path, for hits a dataset larger than the
+        budget rarely gets; and a dataset smaller than the budget pays that growth in its first epoch."""
         s, b = split_id(bid)
         k = self._frontier[s]
-        return k >= 0 and self.orders[s].done_with(b, k)
+        return k >= 0 and self.orders[s].done_with(b, k, self.orders[s].window)
 
     # ---- consumer ----
     def __iter__(self) -> TokenLoader:

@@ -5,16 +5,20 @@ block). A block whose references reach zero stays cached (least recently used fi
 window shuffle brings the rest of its sequences back a few hundred sequences later; cached blocks are
 evicted whenever the bytes held would exceed the budget. Bytes (compressed + decoded, per block) are
 known at request time from the index and the manifest, so the planner stays under its budget before it
-asks. Blocks decode into recycled buffers: an evicted block's buffer takes the next block, so a long run
-stops paying the kernel for fresh pages. Reads go through ShardReader (memory-mapped locally, fsspec
-range reads with retries remotely); the checksum and the decode run in the pool threads without the GIL
-(`storage.codec`). With `threads=0` there is no pool: a block is read and decoded by the thread that
-first asks for it (what a batch-building worker process does with a local dataset, where a second
-thread would only pass the GIL back and forth).
+asks. Blocks decode into the slots of one arena (a shared anonymous mapping, made lazily by the process
+that uses it, so the decode processes it forks write into it too), recycled last-freed first: a long run
+stops paying the kernel for fresh pages, and since every block lies in the same mapping at a known
+offset, the packer gathers a batch's rows with one indexing call (`Packer.assemble`). Reads go through
+ShardReader (memory-mapped locally, fsspec range reads with retries remotely); the checksum and the
+decode run in the pool threads without the GIL (`storage.codec`). With `threads=0` there is no pool: a
+block is read and decoded by the thread that first asks for it (what a batch-building worker process
+does with a local dataset, where a second thread would only pass the GIL back and forth).
 """
 from __future__ import annotations
 
 import itertools
+import mmap
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,7 +47,7 @@ class _Entry:
     refs: int
     nbytes: int
     tokens: np.ndarray | None = None
-    buf: np.ndarray | int | None = None  # the recycled buffer the tokens live in (decode processes: arena slot)
+    slot: int = -1  # the arena slot the tokens live in; -1: a private buffer (the arena was full)
 
 
 class BlockStore:
@@ -65,16 +69,47 @@ class BlockStore:
         self.bytes_read = 0
         self.blocks_read = 0
         self.bad: dict[BlockId, ShardError] = {}
-        self._free: list[np.ndarray] = []  # decode buffers of evicted blocks
         self._buf_tokens = 0  # tokens per decode buffer: the largest block of any source
+        self._arena: np.ndarray | None = None  # [slots, tokens per slot]; see arena()
+        self._arena_pid = 0
+        self._arena_lock = threading.Lock()
+        self.free_slots: list[int] = []  # arena slots holding no block (pop/append are atomic)
         self.decoder: DecoderPool | None = None  # decode processes, when use_decoders() was called
 
     def use_decoders(self, processes: int) -> None:
         """From now on, blocks are read and decoded by `processes` forked processes (storage.loader.decoders)
-        into a shared arena with room for the byte budget's worth of the largest block (64 to 4096 slots;
-        beyond that, blocks are decoded by the thread that needs them)."""
-        slots = min(4096, max(64, self.max_bytes // (self.buffer_tokens() * self.itemsize) + 16))
-        self.decoder = DecoderPool(self, processes, slots)
+        into the arena."""
+        self.arena()
+        self.decoder = DecoderPool(self, processes)
+
+    def arena(self) -> np.ndarray:
+        """The decode arena [slots, tokens per slot] of this process: room for the byte budget's worth of
+        the largest block (64 to 4096 slots; when all hold blocks, a block decodes into a private buffer).
+        Made on first use by each process (a forked worker makes its own: sharing its parent's would mix
+        their blocks); pages cost nothing until a block first lands in them."""
+        if self._arena_pid != os.getpid():
+            with self._arena_lock:
+                if self._arena_pid != os.getpid():
+                    width = max(self.buffer_tokens(), 4096 // self.itemsize)  # room for an error message
+                    slots = min(4096, max(64, self.max_bytes // (self.buffer_tokens() * self.itemsize) + 16))
+                    mem = mmap.mmap(-1, slots * width * self.itemsize)
+                    self._arena = np.frombuffer(mem, dtype=f"<u{self.itemsize}").reshape(slots, width)
+                    self.free_slots = list(range(slots - 1, -1, -1))
+                    self._arena_pid = os.getpid()
+        return self._arena
+
+    def take_slot(self) -> int:
+        """A free arena slot, or -1 when every slot holds a block."""
+        self.arena()
+        try:
+            return self.free_slots.pop()
+        except IndexError:
+            return -1
+
+    def offset(self, bid: BlockId) -> int:
+        """Where a fetched block's tokens start in the flattened arena, or -1 (a private buffer)."""
+        slot = self._entries[bid].slot
+        return slot * self._arena.shape[1] if slot >= 0 else -1
 
     def count_read(self, nbytes: int) -> None:
         with self._lock:
@@ -141,14 +176,21 @@ class BlockStore:
         self.bytes_in_flight -= e.nbytes
         if self.decoder is not None and e.future is not None:
             self.decoder.free(e.future)  # its slot, once the decode finished
-        elif e.buf is not None and (e.future is None or e.future.done()):  # a cancelled plan's read may still be writing
-            self._free.append(e.buf)
+        elif e.tokens is not None:
+            if e.slot >= 0:
+                self.free_slots.append(e.slot)
+        elif e.future is not None:  # never fetched (a cancelled plan): its slot once the read is done
+            e.future.add_done_callback(self._free_slot_of)
+
+    def _free_slot_of(self, f: Future) -> None:
+        if not f.cancelled() and f.exception() is None and f.result()[1] >= 0:
+            self.free_slots.append(f.result()[1])
 
     def get(self, bid: BlockId) -> np.ndarray:
         """The block's tokens (waits for its read); raises ShardError for a corrupt block."""
         e = self._entries[bid]
         if e.tokens is None:
-            e.tokens, e.buf = e.future.result() if e.future else self._load(bid)
+            e.tokens, e.slot = e.future.result() if e.future else self._load(bid)
         return e.tokens
 
     def release(self, bids: list[BlockId], uses: list[int]) -> None:
@@ -166,12 +208,6 @@ class BlockStore:
         if bid in self.bad:
             raise self.bad[bid]
         return self._load(bid, False)[0]
-
-    def _buffer(self, pooled: bool) -> np.ndarray:
-        with self._lock:
-            if pooled and self._free:
-                return self._free.pop()
-        return np.empty(self.buffer_tokens(), dtype=f"<u{self.itemsize}")
 
     def read_decode(self, bid: BlockId, out: np.ndarray) -> tuple[np.ndarray, int]:
         """Read, verify and decode block `bid` into `out`: (its tokens, bytes read). Raises ShardError."""
@@ -199,18 +235,18 @@ class BlockStore:
             self._buf_tokens = max(int(t.max()) for t in self.block_tokens if len(t))
         return self._buf_tokens
 
-    def _load(self, bid: BlockId, pooled: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
-        """(tokens, the pooled buffer holding them or None)."""
-        buf = self._buffer(pooled)
+    def _load(self, bid: BlockId, pooled: bool = True) -> tuple[np.ndarray, int]:
+        """(tokens, the arena slot holding them or -1); `pooled=False`: into a private buffer."""
+        slot = self.take_slot() if pooled else -1
+        buf = self._arena[slot] if slot >= 0 else np.empty(self.buffer_tokens(), dtype=f"<u{self.itemsize}")
         try:
             tokens, nbytes = self.read_decode(bid, buf)
         except ShardError:
-            if pooled:
-                with self._lock:
-                    self._free.append(buf)
+            if slot >= 0:
+                self.free_slots.append(slot)
             raise
         self.count_read(nbytes)
-        return tokens, buf if pooled else None
+        return tokens, slot
 
     def map(self, fn, items) -> list:
         """fn over items, on the pool when there is one (many small reads of a remote dataset)."""
@@ -225,5 +261,5 @@ class BlockStore:
         with self._lock:
             self._entries.clear()
             self._idle.clear()
-            self._free.clear()
+            self.free_slots = list(range(len(self._arena) - 1, -1, -1)) if self._arena is not None else []
             self.bytes_in_flight = self.bytes_idle = 0

@@ -92,3 +92,24 @@ def test_dataloader_state_resumes_like_the_loader(mixed_ds, loader_factory):
     got = [next(it) for _ in range(3)]
     del it
     assert all(torch.equal(a, b) for a, b in zip(got, ref[4:]))
+
+
+def test_restarts_give_back_every_arena_slot(mixed_ds, loader_factory, ld):
+    """Blocks planned but never built before a restart (load_state_dict, here always to a far later
+    point) still hand their arena slots back once their reads finish, so a run that resumes many times
+    does not run out of slots."""
+    ahead = loader_factory(mixed_ds, G=8)
+    states = []
+    for _ in range(6):
+        ld.take(ahead, 40)
+        states.append(ahead.state_dict())
+    loader = loader_factory(mixed_ds, G=8, decode_processes=0, prefetch_threads=3, prefetch_batches=32,
+                            max_bytes_in_flight=256 << 10)
+    for sd in states:
+        ld.take(loader, 2)
+        loader.load_state_dict(sd)
+    ld.take(loader, 2)
+    store = loader.store
+    store.pool.shutdown(wait=True)  # every read done (and its slot callback run)
+    held = len(store.arena()) - len(store.free_slots)
+    assert held <= len(store._entries), (held, len(store._entries))

@@ -125,7 +125,9 @@ def test_decoder_arena_overflow_decodes_in_the_asking_thread(mixed_ds, loader_fa
     from storage.loader.decoders import DecoderPool
 
     store = loader_factory(mixed_ds).store
-    pool = DecoderPool(store, 2, slots=2)
+    store.arena()
+    store.free_slots = [1, 0]  # an arena with room for two blocks
+    pool = DecoderPool(store, 2)
     try:
         jobs = [pool.submit(b) for b in range(5)]  # blocks 0..4 of source 0 (web): 2 in the arena, 3 inline
         assert [j.slot >= 0 for j in jobs] == [True, True, False, False, False]
@@ -133,7 +135,7 @@ def test_decoder_arena_overflow_decodes_in_the_asking_thread(mixed_ds, loader_fa
         for b, j in enumerate(jobs):
             np.testing.assert_array_equal(j.result()[0], web[b])
             pool.free(j)
-        assert sorted(pool._free) == [0, 1]
+        assert sorted(store.free_slots) == [0, 1]
     finally:
         pool.close()
     assert all(code == 0 for code in pool.exitcodes.values())
@@ -144,7 +146,7 @@ def test_submitting_to_a_dead_decoder_says_how_it_ended(mixed_ds, loader_factory
     code, not as a bare BrokenPipeError."""
     from storage.loader.decoders import DecoderPool
 
-    pool = DecoderPool(loader_factory(mixed_ds).store, 1, slots=4)
+    pool = DecoderPool(loader_factory(mixed_ds).store, 1)
     try:
         os.kill(pool.pids[0], signal.SIGKILL)
         os.waitid(os.P_PID, pool.pids[0], os.WEXITED | os.WNOWAIT)  # dead, not yet reaped

@@ -91,10 +91,13 @@ def webdataset_batches(shards: list[str], seq_len: int, batch: int):
 
 
 def raw_batches(shards: list[str], seq_len: int, batch: int):
+    """Each shard read whole into one reused buffer (a fresh 8 MiB read per shard would pay page faults
+    that a careful reader avoids, and would make the flatness control uneven: 4 or 5 shards per window)."""
     p = Packer(seq_len, batch)
+    buf = bytearray(max(os.path.getsize(u) for u in shards))
     for url in shards:
-        with open(url, "rb") as f:
-            data = memoryview(f.read())
+        with open(url, "rb", buffering=0) as f:
+            data = memoryview(buf)[:f.readinto(buf)]
         with open(url + ".idx") as f:
             index = parse_index(f.read(), url)
         for e in index:
@@ -154,32 +157,36 @@ def raw_windows(shards: list[str], seq_len: int, batch: int, sequences: int, eve
     return rates
 
 
-def _steady(rates: list[list[float]]) -> tuple[list[float], list[float], float]:
-    """(per-window medians over the repeats, those after the warm-up (WARMUP_WINDOWS) and before the last,
-    which may be short, and the median of the latter)."""
+def _shape(rates: list[list[float]]) -> tuple[list[float], float]:
+    """(per window: the median over the repeats of its rate relative to its repeat's steady median, i.e.
+    the run's shape with each repeat's overall level, which drifts with the load on this shared machine,
+    divided out; the median steady rate). Steady windows: after the warm-up (WARMUP_WINDOWS), before the
+    last, which may be short."""
     n = min(len(r) for r in rates)
-    med = [statistics.median(r[i] for r in rates) for i in range(n)]
-    steady = med[WARMUP_WINDOWS:-1]
-    return med, steady, statistics.median(steady)
+    levels = [statistics.median(r[WARMUP_WINDOWS:n - 1]) for r in rates]
+    shape = [statistics.median(r[i] / lv for r, lv in zip(rates, levels)) for i in range(n)]
+    return shape, statistics.median(levels)
 
 
 def largest_deviation(rates: list[list[float]]) -> float:
-    """Largest deviation (%) of a steady window's median from the median of them."""
-    _, steady, mid = _steady(rates)
+    """Largest deviation (%) of a steady window's relative rate (_shape) from the median of them."""
+    shape, _ = _shape(rates)
+    steady = shape[WARMUP_WINDOWS:-1]
+    mid = statistics.median(steady)
     return 100 * max(abs(x - mid) for x in steady) / mid
 
 
 def flatness(rates: list[list[float]], args) -> str:
-    """Per-window medians over the repeats, and min/median/max and largest_deviation after the warm-up."""
-    med, steady, mid = _steady(rates)
-    head = " ".join(f"{x:.0f}" for x in med[:WARMUP_WINDOWS])
-    tail = " ".join(f"{x:.0f}" for x in med[WARMUP_WINDOWS:])
-    return (f"{args.long:,} sequences, {len(rates)} repeats; per window of {EVERY:,} sequences (median over the "
-            f"repeats), Mtok/s in order: {head} | {tail} "
-            f"(warm-up before the bar); after the warm-up min/median/max "
-            f"{min(steady):.0f}/{mid:.0f}/{max(steady):.0f}, "
-            f"largest deviation from the median **{largest_deviation(rates):.1f} %** (goal +-5 %), peak to peak "
-            f"{100 * (max(steady) - min(steady)) / mid:.1f} %")
+    """The per-window shape (% from the steady median) and its largest deviation after the warm-up."""
+    shape, level = _shape(rates)
+    mid = statistics.median(shape[WARMUP_WINDOWS:-1])
+    pct = [f"{100 * (x / mid - 1):+.0f}" for x in shape]
+    steady = [100 * (x / mid - 1) for x in shape[WARMUP_WINDOWS:-1]]
+    return (f"{args.long:,} sequences, {len(rates)} repeats, median steady rate {level:.0f} Mtok/s; per window of "
+            f"{EVERY:,} sequences, % from that rate (median over the repeats of each window's rate relative to "
+            f"its repeat's), in order: {' '.join(pct[:WARMUP_WINDOWS])} | {' '.join(pct[WARMUP_WINDOWS:])} "
+            f"(warm-up before the bar, last window short); after the warm-up min/max {min(steady):+.1f}/"
+            f"{max(steady):+.1f} %, largest deviation **{largest_deviation(rates):.1f} %** (goal +-5 %)")
 
 
 def cpu_s() -> float:
@@ -200,7 +207,7 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=200_000, help="sequences for the flatness run (0: skip)")
     ap.add_argument("--long-runs", type=int, default=5, help="repeats of the flatness run (per-window medians), "
                     "at least")
-    ap.add_argument("--long-runs-max", type=int, default=15, help="repeats at most, added while the raw "
+    ap.add_argument("--long-runs-max", type=int, default=25, help="repeats at most, added while the raw "
                     "control's largest deviation is above --control-floor")
     ap.add_argument("--control-floor", type=float, default=2.5, help="percent; see --long-runs-max")
     ap.add_argument("--long-cache-mib", type=int, default=128, help="max_bytes_in_flight of the long runs, MiB "
