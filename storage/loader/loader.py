@@ -33,6 +33,7 @@ from storage.manifest import Manifest, Phase, validate_mix
 from storage.shards import TAR_BLOCK, ShardReader, parse_dtype
 
 STATE_VERSION = 1
+CHUNK_BATCHES = 64  # batches planned together (pack.Chunk)
 log = logging.getLogger(__name__)
 
 
@@ -166,7 +167,7 @@ class TokenLoader:
         landing on one batch in 64. Below half of prefetch_batches planned (the start, a small
         prefetch_batches) they all run at once."""
         j, steps, nxt, since = 0, None, None, 0
-        size = min(64, self.cfg.prefetch_batches)
+        size = min(CHUNK_BATCHES, self.cfg.prefetch_batches)
         pace = max(1, size // 16)
         while True:
             while len(self._planned) < self.cfg.prefetch_batches:

@@ -12,13 +12,16 @@ int64 batches [batch, seq_len + 1]:
 - webdataset in a torch DataLoader with N workers (webdataset splits the shards over the workers);
 - raw: read each shard file whole, slice members by the index, decompress, pack; one thread, in order.
 Each run is one pass over the data; the time to the first batch (start-up) and the throughput after it
-are reported apart, since a training run pays the start-up once. Then, ours alone: throughput and RSS
-per 10k sequences over a long run (flatness: each window's median over the repeats, beside the same
-figure for a stateless raw reader as the machine's own noise; repeats are added, from --long-runs up to
---long-runs-max, until that control deviates at most --control-floor), and consumer wait with a simulated
-50 ms training step.
+are reported apart, since a training run pays the start-up once. A pass lasts a fraction of a second,
+so the loader's warm-up (its decode arena's first page faults) weighs on it as it never does in
+training; the sustained runs therefore also time ours (default), webdataset and raw over the long
+run's sequences from a cold start, start-up included, the in-order peers re-reading the shards pass after
+pass. Then, ours alone: throughput and RSS per 10k sequences over a long run (flatness: each window's
+rate relative to its repeat's, median over --long-runs repeats, with the standard error of that median
+and the same figures for a stateless raw reader as the machine's own noise), and consumer wait with a
+simulated 50 ms training step.
 
-    python tools/bench/bench_loader.py [--runs 5] [--long 200000] [--long-runs 5] [--append docs/benchmarks.md]
+    python tools/bench/bench_loader.py [--runs 5] [--long 200000] [--long-runs 41] [--append docs/benchmarks.md]
 """
 from __future__ import annotations
 
@@ -120,6 +123,12 @@ def webdataset_dataloader_batches(shards: list[str], seq_len: int, batch: int, w
     yield from torch.utils.data.DataLoader(_WdsBatches(shards, seq_len, batch), batch_size=None, num_workers=workers)
 
 
+def cycled(make):
+    """Batches of pass after pass (a fresh iterator each): an in-order reader over a run longer than the data."""
+    while True:
+        yield from make()
+
+
 def our_batches(cfg: LoaderConfig, batch: int):
     with TokenLoader(cfg, batch) as loader:
         yield from loader
@@ -168,6 +177,19 @@ def _shape(rates: list[list[float]]) -> tuple[list[float], float]:
     return shape, statistics.median(levels)
 
 
+def median_error(rates: list[list[float]]) -> float:
+    """Typical standard error (%) of a steady window's median over the repeats: the median over those
+    windows of 1.2533 * 1.4826 * MAD / sqrt(repeats) (normal approximation) of the relative rates."""
+    n = min(len(r) for r in rates)
+    levels = [statistics.median(r[WARMUP_WINDOWS:n - 1]) for r in rates]
+    errs = []
+    for i in range(WARMUP_WINDOWS, n - 1):
+        x = [r[i] / lv for r, lv in zip(rates, levels)]
+        mid = statistics.median(x)
+        errs.append(1.2533 * 1.4826 * statistics.median(abs(v - mid) for v in x) / len(x) ** 0.5)
+    return 100 * statistics.median(errs)
+
+
 def largest_deviation(rates: list[list[float]]) -> float:
     """Largest deviation (%) of a steady window's relative rate (_shape) from the median of them."""
     shape, _ = _shape(rates)
@@ -186,7 +208,8 @@ def flatness(rates: list[list[float]], args) -> str:
             f"{EVERY:,} sequences, % from that rate (median over the repeats of each window's rate relative to "
             f"its repeat's), in order: {' '.join(pct[:WARMUP_WINDOWS])} | {' '.join(pct[WARMUP_WINDOWS:])} "
             f"(warm-up before the bar, last window short); after the warm-up min/max {min(steady):+.1f}/"
-            f"{max(steady):+.1f} %, largest deviation **{largest_deviation(rates):.1f} %** (goal +-5 %)")
+            f"{max(steady):+.1f} %, largest deviation **{largest_deviation(rates):.1f} %** (goal +-5 %; standard "
+            f"error of a window's median ~{median_error(rates):.1f} %)")
 
 
 def cpu_s() -> float:
@@ -205,11 +228,8 @@ def main() -> None:
                     "path and of the webdataset DataLoader path")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--long", type=int, default=200_000, help="sequences for the flatness run (0: skip)")
-    ap.add_argument("--long-runs", type=int, default=5, help="repeats of the flatness run (per-window medians), "
-                    "at least")
-    ap.add_argument("--long-runs-max", type=int, default=25, help="repeats at most, added while the raw "
-                    "control's largest deviation is above --control-floor")
-    ap.add_argument("--control-floor", type=float, default=2.5, help="percent; see --long-runs-max")
+    ap.add_argument("--long-runs", type=int, default=41, help="repeats of the flatness run (per-window medians; "
+                    "a 10k-sequence window lasts ~15-30 ms, so one repeat's windows scatter by several %%)")
     ap.add_argument("--long-cache-mib", type=int, default=128, help="max_bytes_in_flight of the long runs, MiB "
                     "(below the dataset's size, above two shuffle windows' blocks)")
     ap.add_argument("--append", help="append a results section to this markdown file")
@@ -240,6 +260,7 @@ def main() -> None:
     first: dict[str, list[float]] = {k: [] for k in paths}
     rest: dict[str, list[float]] = {k: [] for k in paths}
     cpu: dict[str, list[float]] = {k: [] for k in paths}
+    ours_d, ours_w, ours_t, peer, peer_w, raw = paths
     for _ in range(args.runs):  # interleaved, so background load hits every path alike
         for name, fn in paths.items():
             c = cpu_s()
@@ -247,24 +268,28 @@ def main() -> None:
             first[name].append(t1)
             rest[name].append(t2)
             cpu[name].append(cpu_s() - c)
+    long_batches = args.long // args.batch
+    sustained_paths = {ours_d: paths[ours_d], peer: lambda: cycled(paths[peer]), raw: lambda: cycled(paths[raw])}
+    sustained: dict[str, list[float]] = {k: [] for k in sustained_paths}
+    for _ in range(args.runs if args.long else 0):
+        for name, fn in sustained_paths.items():
+            t1, t2 = timed(fn(), long_batches)
+            sustained[name].append(long_batches * args.batch * args.seq_len / (t1 + t2) / 1e6)
     tok = n_batches * args.batch * args.seq_len
     steady = {k: (tok - args.batch * args.seq_len) / statistics.median(v) for k, v in rest.items()}
     whole = {k: tok / statistics.median([a + b for a, b in zip(first[k], rest[k])]) for k in paths}
     cpu_rate = {k: tok / statistics.median(v) for k, v in cpu.items()}
-    ours_d, ours_w, ours_t, peer, peer_w, raw = paths
 
     # a cache budget below the dataset's size: every epoch reads and decodes its blocks again. Each long
     # run is repeated (interleaved with the raw control) and every window's figure is its median over the
     # repeats: a burst of other load on this shared machine hits one window of one repeat, a loader that
-    # slows down (or grows) with the step count shows in every repeat. Repeats are added (up to
-    # --long-runs-max) until the control's own deviation is at most --control-floor: a measurement whose
-    # noise floor is near the +-5 % goal could not tell a flat loader from one that is not. The rule looks
-    # at the control only, never at ours.
+    # slows down (or grows) with the step count shows in every repeat. The standard error of those
+    # medians is reported beside them: a largest deviation near twice or three times it is what noise
+    # alone gives over 17 windows.
     longs: dict[str, list[dict]] = {ours_d: [], ours_w: [], ours_t: []}
     control: list[list[float]] = []
     configs = ((ours_d, cfg), (ours_w, cfg_w), (ours_t, cfg_t))
-    while args.long and (len(control) < args.long_runs
-                         or (len(control) < args.long_runs_max and largest_deviation(control) > args.control_floor)):
+    for _ in range(args.long_runs if args.long else 0):
         for name, c in configs:
             longs[name].append(run_bench(dataclasses.replace(c, max_bytes_in_flight=args.long_cache_mib << 20),
                                          args.batch, args.long, EVERY))
@@ -282,6 +307,13 @@ def main() -> None:
                 f"read + decode = {steady[ours_d] / steady[raw]:.2f}x (goal >= 0.8)"),
                (f"- including the first batch (one pass of {n_batches} batches per run): {ours_d} / webdataset = "
                 f"{whole[ours_d] / whole[peer]:.2f}x, {ours_w} / webdataset = {whole[ours_w] / whole[peer]:.2f}x")]
+    if args.long:
+        med = {k: statistics.median(v) for k, v in sustained.items()}
+        summary.append(f"- sustained, {args.long:,} sequences from a cold start (start-up included; the in-order peers "
+                       f"re-read the shards pass after pass), median of {args.runs} interleaved runs: {ours_d} "
+                       f"{med[ours_d]:.0f} Mtok/s, webdataset {med[peer]:.0f}, raw read + decode {med[raw]:.0f}: "
+                       f"ours / webdataset = **{med[ours_d] / med[peer]:.2f}x** (goal >= 2), ours / raw = "
+                       f"{med[ours_d] / med[raw]:.2f}x (goal >= 0.8)")
     for name in (ours_d, ours_w, ours_t):
         summary.append(f"- consumer wait with a 50 ms step, {name}: {100 * waits[name]['wait_fraction_of_step']:.2f} % "
                        "of step time over 200 steps (goal < 1 %)")
@@ -300,8 +332,7 @@ def main() -> None:
     report = "\n".join([
         f"### Streaming loader vs webdataset vs raw read ({date.today()})", "",
         (f"Command: `python tools/bench/bench_loader.py --runs {args.runs} --long {args.long} "
-        f"--long-runs {args.long_runs}`; {len(control)} repeats of the long runs (control floor "
-        f"{args.control_floor} %, at most {args.long_runs_max}); machine: "
+        f"--long-runs {args.long_runs}`; machine: "
         f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__}; "
         f"data: {origin}; {len(shards)} shards, {ds.manifest.total_tokens:,} tokens; seq_len {args.seq_len}, "
         f"batch {args.batch}, {n_batches} batches per path per run (one pass), prefetch_batches "
