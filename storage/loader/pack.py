@@ -1,11 +1,12 @@
 """Packing: turn a batch's (source, cursor) pairs into rows of seq_len + 1 tokens from decoded blocks.
 
-`plan` resolves a chunk of batches to block slices at once (vectorized) and `acquire` takes the chunk's
-block references (so prefetching starts); `assemble` copies one batch's slices into one int64 array, and
-the chunk's references drop after its last batch. Blocks lie in the store's arena, so the rows that
-come whole from one block (all but ~1 % at seq_len 2048 and 256k-token blocks) are gathered by one
-fancy index into a sliding-window view of the flattened arena and widened by one assignment: half the
-cost of slicing every piece and concatenating them (tools/bench/bench_loader.py).
+`plan_steps` resolves a chunk of batches to block slices (vectorized, in a few steps that the loader
+spreads over the batches it hands out) and `acquire` takes the chunk's block references (so prefetching
+starts); `assemble` copies one batch's slices into one int64 array, and the chunk's references drop
+after its last batch. Blocks lie in the store's arena, so the rows that come whole from one block (all
+but ~1 % at seq_len 2048 and 256k-token blocks) are gathered by one fancy index into a sliding-window
+view of the flattened arena and widened by one assignment: about half the cost of slicing every piece
+and concatenating them (docs/loader.md, "Packing").
 Under the `quarantine` policy a row that touches a corrupt block is replaced by the same source position
 in the next epoch (k + n_seq, k + 2 n_seq, ...) whose blocks decode: a pure function of the data, so
 every rank (and a rerun) makes the same choice without talking to the others.
@@ -32,8 +33,8 @@ class Chunk:
     taken before the first is built and dropped after the last, so the per-block bookkeeping (reference
     counts, waiting for the read, the decoded array) is paid once per chunk instead of once per batch:
     with the window shuffle every batch reads ~20 blocks, and most of them again in the next batch.
-    Per-batch fields are the chunk's arrays cut by `*_cut` (batch i: [cut[i], cut[i + 1])), sliced when
-    the batch is built, so planning costs the same per batch however the work is spread. Plans point to
+    Per-batch fields are the chunk's arrays cut by `*_cut` (batch i: [cut[i], cut[i + 1])), sliced only
+    when the batch is built. Plans point to
     their chunk, never the reverse, so a built chunk is freed at once (no cycle for the garbage
     collector, whose full passes over a large training process stall the loader thread)."""
     blocks: list[BlockId]  # distinct blocks, in the order of their first use
