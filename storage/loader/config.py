@@ -32,8 +32,8 @@ class LoaderConfig:
 
     def decoders(self) -> int:
         """Decode processes to fork. Auto (-1): one for a local dataset when this process may use 2+ CPUs
-        and batches are built by a thread (the thread then only plans and copies; bench_loader on 2 cores:
-        3.1–3.4x webdataset's throughput against 1.7–2.0x with decode threads); none for a remote dataset, whose
+        and batches are built by a thread (the thread then only plans and copies; bench_loader on 2-core VMs:
+        2.0–3.4x webdataset's throughput against 1.5–2.0x with decode threads); none for a remote dataset, whose
         reads wait on the network and want many threads, with worker processes, or with DALI."""
         if self.decode_processes >= 0:
             return self.decode_processes
