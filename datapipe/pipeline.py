@@ -95,7 +95,10 @@ class Build:
     def stages(self) -> list[Stage]:
         cfg, F = self.cfg, len(self.files)
         mh = cfg.dedup.minhash
-        rej = lambda name: JsonlWriter(os.path.join(self.rejects, name), output_filename="${rank}.jsonl.gz")
+
+        def rej(name: str) -> JsonlWriter:
+            return JsonlWriter(os.path.join(self.rejects, name), output_filename="${rank}.jsonl.gz")
+
         reader = SourceReader(self.files, self.srcmap, self.rejects, cfg.normalize.max_chars)
         norm = Normalize(cfg.normalize, rej("normalize"))
         stages = [Stage("filter", [

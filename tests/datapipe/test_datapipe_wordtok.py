@@ -70,7 +70,7 @@ def test_fast_repetition_filter_matches_datatrove_on_long_documents():
         assert ours.filter(Document(text=t, id="x")) == ref.filter(Document(text=t, id="x"))
     # a highly repetitive long document is dropped for the same reason
     rep = " ".join(["the same sentence comes back again and again."] * 200)
-    assert ours.filter(Document(text=rep, id="r")) == ref.filter(Document(text=rep, id="r")) != True
+    assert ours.filter(Document(text=rep, id="r")) == ref.filter(Document(text=rep, id="r")) != True  # noqa: E712
 
 
 def test_contractions_urls_and_pickling():
