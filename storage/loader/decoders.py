@@ -3,14 +3,15 @@ instead of by prefetch threads that share the packing thread's GIL.
 
 A BlockStore given a `DecoderPool` submits each block it plans to one of the processes (round robin)
 as (block id, arena slot) over a pipe; the process decodes into that slot of the store's arena (an
-anonymous shared mapping made before the fork) and answers (slot, tokens, bytes read, status) on its own pipe, in
-request order. The store's thread reads answers only when it needs a block, so a block decoded ahead
+anonymous shared mapping made before the fork) and answers (slot, tokens, bytes read, status) on its
+own pipe, in request order. The store's thread reads answers only when it needs a block, so a block decoded ahead
 costs it one read() of 32 bytes. A corrupt block comes back as the pickled ShardError, in its slot;
 a decoder that dies is reported with its exit code; decoders exit when their request pipe closes or
 their owner dies. Decoders are forked with os.fork by the process that uses them (the training
 process in thread mode, each worker process in worker mode), which also reaps them; a decoder closes
 every inherited pipe but its own two. Local datasets only (shards are memory-mapped).
-Slots are the store's, reused last-freed first, so the arena's touched pages stay near the blocks in flight.
+Slots are the store's, reused last-freed first, so the arena's touched pages stay near the blocks in
+flight.
 """
 from __future__ import annotations
 

@@ -52,8 +52,7 @@ class SourceOrder:
         self._key = source_key(self.name)
         self._epoch = functools.lru_cache(maxsize=2)(self._epoch_uncached)  # ~16 bytes per block each
         self._window = functools.lru_cache(maxsize=64)(self._window_uncached)
-        self._last_slot = functools.lru_cache(maxsize=2)(self._last_slot_uncached)
-        self._first_slot = functools.lru_cache(maxsize=3)(self._first_slot_uncached)
+        self._slots = functools.lru_cache(maxsize=3)(self._slots_uncached)  # epochs e and e + 1
 
     def _epoch_uncached(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         perm = _rng(self.seed, self._key, 0, e).permutation(len(self.block_tokens))
@@ -63,37 +62,30 @@ class SourceOrder:
         size = min(self.window, self.n_seq - w * self.window)
         return _rng(self.seed, self._key, 1, e, w).permutation(size)
 
-    def _last_slot_uncached(self, e: int) -> np.ndarray:
-        """Per block: the last sequence slot (index within epoch e) of the window that holds the block's
-        last sequence; every use of the block in epoch e is drawn at or before that slot."""
-        perm, ends = self._epoch(e)
-        q_last = np.minimum((ends - 1) // self.seq_len, self.n_seq - 1)
-        slot = np.minimum((q_last // self.window + 1) * self.window, self.n_seq) - 1
-        out = np.empty(len(perm), dtype=np.int64)
-        out[perm] = slot
-        return out
-
-    def _first_slot_uncached(self, e: int) -> np.ndarray:
-        """Per block: the first sequence slot (index within epoch e) of the window that holds the block's
-        first sequence; no use of the block in epoch e is drawn before that slot (n_seq: none is)."""
+    def _slots_uncached(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per block, in epoch e: (the first sequence slot of the window holding its first sequence, n_seq if
+        none does; the last slot of the window holding its last sequence). Every use of the block in epoch
+        e is drawn between the two."""
         perm, ends = self._epoch(e)
         q_first = np.maximum(ends - self.block_tokens[perm] - 1, 0) // self.seq_len
-        slot = np.where(q_first < self.n_seq, q_first // self.window * self.window, self.n_seq)
-        out = np.empty(len(perm), dtype=np.int64)
-        out[perm] = slot
-        return out
+        first = np.where(q_first < self.n_seq, q_first // self.window * self.window, self.n_seq)
+        q_last = np.minimum((ends - 1) // self.seq_len, self.n_seq - 1)
+        last = np.minimum((q_last // self.window + 1) * self.window, self.n_seq) - 1
+        out = np.empty((2, len(perm)), dtype=np.int64)
+        out[:, perm] = first, last
+        return out[0], out[1]
 
     def done_with(self, b: int, k: int, horizon: float = 0) -> bool:
         """Whether a reader that has drawn every cursor up to k needs block b within the next `horizon`
         cursors: not if the block's first window this epoch starts further ahead than that, or if its
         last one has been drawn and its first window of the next epoch starts further ahead."""
         e, j = divmod(int(k), self.n_seq)
-        first = int(self._first_slot(e)[b])
-        if first > j:
-            return first - j > horizon
-        if self._last_slot(e)[b] > j:
+        first, last = self._slots(e)
+        if first[b] > j:
+            return int(first[b]) - j > horizon
+        if last[b] > j:
             return False
-        return self.n_seq - j + int(self._first_slot(e + 1)[b]) > horizon
+        return self.n_seq - j + int(self._slots(e + 1)[0][b]) > horizon
 
     def position(self, k: int) -> tuple[int, int]:
         """(epoch, sequence index within the epoch's stream) of the k-th sequence drawn."""

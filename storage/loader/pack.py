@@ -34,9 +34,9 @@ class Chunk:
     counts, waiting for the read, the decoded array) is paid once per chunk instead of once per batch:
     with the window shuffle every batch reads ~20 blocks, and most of them again in the next batch.
     Per-batch fields are the chunk's arrays cut by `*_cut` (batch i: [cut[i], cut[i + 1])), sliced only
-    when the batch is built. Plans point to
-    their chunk, never the reverse, so a built chunk is freed at once (no cycle for the garbage
-    collector, whose full passes over a large training process stall the loader thread)."""
+    when the batch is built. Plans point to their chunk, never the reverse, so a built chunk is freed at
+    once (no cycle for the garbage collector, whose full passes over a large training process stall the
+    loader thread)."""
     blocks: list[BlockId]  # distinct blocks, in the order of their first use
     srcs: np.ndarray      # source and cursor of every row of every batch, in order
     curs: np.ndarray

@@ -166,41 +166,37 @@ def raw_windows(shards: list[str], seq_len: int, batch: int, sequences: int, eve
     return rates
 
 
-def _shape(rates: list[list[float]]) -> tuple[list[float], float]:
-    """(per window: the median over the repeats of its rate relative to its repeat's steady median, i.e.
-    the run's shape with each repeat's overall level, which drifts with the load on this shared machine,
-    divided out; the median steady rate). Steady windows: after the warm-up (WARMUP_WINDOWS), before the
-    last, which may be short."""
+def _relative(rates: list[list[float]]) -> tuple[list[list[float]], float]:
+    """(each repeat's windows divided by that repeat's steady median, i.e. the run's shape with each
+    repeat's overall level, which drifts with the load on this shared machine, divided out; the median of
+    those levels). Steady windows: after the warm-up (WARMUP_WINDOWS), before the last, which may be short."""
     n = min(len(r) for r in rates)
     levels = [statistics.median(r[WARMUP_WINDOWS:n - 1]) for r in rates]
-    shape = [statistics.median(r[i] / lv for r, lv in zip(rates, levels)) for i in range(n)]
-    return shape, statistics.median(levels)
+    return [[x / lv for x in r[:n]] for r, lv in zip(rates, levels)], statistics.median(levels)
 
 
-def median_error(rates: list[list[float]]) -> float:
-    """Typical standard error (%) of a steady window's median over the repeats: the median over those
-    windows of 1.2533 * 1.4826 * MAD / sqrt(repeats) (normal approximation) of the relative rates."""
-    n = min(len(r) for r in rates)
-    levels = [statistics.median(r[WARMUP_WINDOWS:n - 1]) for r in rates]
-    errs = []
-    for i in range(WARMUP_WINDOWS, n - 1):
-        x = [r[i] / lv for r, lv in zip(rates, levels)]
-        mid = statistics.median(x)
-        errs.append(1.2533 * 1.4826 * statistics.median(abs(v - mid) for v in x) / len(x) ** 0.5)
-    return 100 * statistics.median(errs)
-
-
-def largest_deviation(rates: list[list[float]]) -> float:
-    """Largest deviation (%) of a steady window's relative rate (_shape) from the median of them."""
-    shape, _ = _shape(rates)
+def largest_deviation(shape: list[float]) -> float:
+    """Largest deviation (%) of a steady window of `shape` (per-window medians of _relative) from their median."""
     steady = shape[WARMUP_WINDOWS:-1]
     mid = statistics.median(steady)
     return 100 * max(abs(x - mid) for x in steady) / mid
 
 
+def median_error(rel: list[list[float]]) -> float:
+    """Typical standard error (%) of a steady window's median over the repeats: the median over those
+    windows of 1.2533 * 1.4826 * MAD / sqrt(repeats) (normal approximation) of the relative rates."""
+    errs = []
+    for i in range(WARMUP_WINDOWS, len(rel[0]) - 1):
+        x = [r[i] for r in rel]
+        mid = statistics.median(x)
+        errs.append(1.2533 * 1.4826 * statistics.median(abs(v - mid) for v in x) / len(x) ** 0.5)
+    return 100 * statistics.median(errs)
+
+
 def flatness(rates: list[list[float]], args) -> str:
     """The per-window shape (% from the steady median) and its largest deviation after the warm-up."""
-    shape, level = _shape(rates)
+    rel, level = _relative(rates)
+    shape = [statistics.median(col) for col in zip(*rel)]
     mid = statistics.median(shape[WARMUP_WINDOWS:-1])
     pct = [f"{100 * (x / mid - 1):+.0f}" for x in shape]
     steady = [100 * (x / mid - 1) for x in shape[WARMUP_WINDOWS:-1]]
@@ -208,8 +204,8 @@ def flatness(rates: list[list[float]], args) -> str:
             f"{EVERY:,} sequences, % from that rate (median over the repeats of each window's rate relative to "
             f"its repeat's), in order: {' '.join(pct[:WARMUP_WINDOWS])} | {' '.join(pct[WARMUP_WINDOWS:])} "
             f"(warm-up before the bar, last window short); after the warm-up min/max {min(steady):+.1f}/"
-            f"{max(steady):+.1f} %, largest deviation **{largest_deviation(rates):.1f} %** (goal +-5 %; standard "
-            f"error of a window's median ~{median_error(rates):.1f} %)")
+            f"{max(steady):+.1f} %, largest deviation **{largest_deviation(shape):.1f} %** (goal +-5 %; standard "
+            f"error of a window's median ~{median_error(rel):.1f} %)")
 
 
 def cpu_s() -> float:
