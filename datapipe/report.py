@@ -11,8 +11,9 @@ from storage.manifest import Manifest
 def summary_lines(m: Manifest, elapsed: dict[str, float] | None = None) -> list[str]:
     """Docs in/out per stage and tokens per source, as fixed-width text lines."""
     cols = ["read", "dropped_read", "dropped_normalize", "filtered", "exact_duplicates", "near_duplicates",
-            "documents", "tokens"]
-    heads = ["read", "bad", "normalize", "filters", "exact dup", "near dup", "docs out", "tokens"]
+            "decontaminated", "documents", "tokens", "validation_documents"]
+    heads = ["read", "bad", "normalize", "filters", "exact dup", "near dup", "decontam", "docs out", "tokens",
+             "held out"]
     lines = [f"{'source':<14}" + "".join(f"{h:>12}" for h in heads)]
     tot = dict.fromkeys(cols, 0)
     for name, s in m.sources.items():
@@ -27,6 +28,9 @@ def summary_lines(m: Manifest, elapsed: dict[str, float] | None = None) -> list[
     drops = {k: v for k, v in m.build_stats.items() if k.startswith("dropped_") and ":" not in k and v}
     if drops:
         lines.append("dropped per filter: " + ", ".join(f"{k[8:]}={v:,}" for k, v in drops.items()))
+    by_task = m.build_stats.get("decontaminated_by_task") or {}
+    if by_task:
+        lines.append("decontaminated per task: " + ", ".join(f"{k}={v:,}" for k, v in by_task.items()))
     for ph in m.mix:
         w = ", ".join(f"{k}={v:g}" for k, v in ph.weights.items())
         lines.append(f"mix phase {ph.name}: {ph.tokens:,} tokens; weights {w}")

@@ -14,7 +14,7 @@ import numpy as np
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
-from datapipe.config import BuildConfig
+from datapipe.config import BuildConfig, ValidationConfig
 from datapipe.dedup.exact import find_exact_duplicates
 from datapipe.dedup.minhash import resolve_clusters
 from datapipe.filters import build_filter, filter_label, word_tokenizer
@@ -22,6 +22,7 @@ from datapipe.sources import InputFile
 from datapipe.tokenize import load_tokenizer, tokenizer_info, train_bpe, write_source
 from datapipe.workfiles import atomic_json, atomic_npy, load_npy
 from storage import config as cfgmod
+from storage.dataset import VALIDATION_PREFIX
 from storage.fs import atomic_write_bytes
 
 
@@ -162,25 +163,29 @@ class PrepareTokenizer(PipelineStep):
 
 
 class WriteShards(PipelineStep):
-    """Task `rank` packs source number `rank` into shards; its SourceInfo goes to the work dir."""
+    """Task `rank` packs source number `rank` into shards and its held-out split into validation shards;
+    both SourceInfos go to the work dir (`SOURCE.json`, `SOURCE.validation.json`)."""
 
     name = "📦 shards"
 
     def __init__(self, dataset: str, sources: list[str], ranks_of: dict[str, list[int]], token_dir: str,
-                 tokenizer_path: str, eos_token: str, block_tokens: int, shard_blocks: int, info_dir: str):
+                 tokenizer_path: str, eos_token: str, block_tokens: int, shard_blocks: int, info_dir: str,
+                 validation: ValidationConfig | None = None):
         super().__init__()
         self.dataset, self.sources, self.ranks_of, self.token_dir = dataset, sources, ranks_of, token_dir
         self.tokenizer_path, self.eos_token = tokenizer_path, eos_token
         self.block_tokens, self.shard_blocks, self.info_dir = block_tokens, shard_blocks, info_dir
+        self.validation = validation
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         name = self.sources[rank]
-        folder = os.path.join(self.dataset, name)
-        if os.path.isdir(folder):  # a rerun rewrites the source from scratch
-            shutil.rmtree(folder)
+        for folder in (os.path.join(self.dataset, name), os.path.join(self.dataset, VALIDATION_PREFIX, name)):
+            if os.path.isdir(folder):  # a rerun rewrites the source from scratch
+                shutil.rmtree(folder)
         dtype = tokenizer_info(self.tokenizer_path, self.eos_token).dtype
-        info = write_source(self.dataset, name, self.ranks_of[name], self.token_dir, dtype,
-                            self.block_tokens, self.shard_blocks)
+        info, val = write_source(self.dataset, name, self.ranks_of[name], self.token_dir, dtype,
+                                 self.block_tokens, self.shard_blocks, self.validation)
+        atomic_json(os.path.join(self.info_dir, f"{name}.validation.json"), cfgmod.to_plain(val))
         atomic_json(os.path.join(self.info_dir, f"{name}.json"), cfgmod.to_plain(info))
 
 

@@ -2,7 +2,9 @@
 
 `TokenizeStep` writes each task's tokens to the work dir (`{rank}.tokens.npy` + `{rank}.docs.json`);
 `write_source` later packs them, in task order, into a source's shards, so shard bytes never depend on
-how many workers ran.
+how many workers ran. It also makes the held-out validation split: a document is a candidate when the
+hash of (source, id) falls below `validation.fraction`; candidates with the smallest hashes go to
+`validation/SOURCE/` up to the caps, all other documents to `SOURCE/`.
 """
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ import os
 from collections.abc import Iterable, Iterator
 
 import numpy as np
+import xxhash
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
+from datapipe.config import ValidationConfig
 from datapipe.workfiles import atomic_json, atomic_npy, read_json
-from storage.dataset import SourceWriter
+from storage.dataset import VALIDATION_PREFIX, SourceWriter
 from storage.manifest import SourceInfo, TokenizerInfo
 from storage.shards import dtype_for_vocab
 
@@ -138,15 +142,55 @@ def iter_task_docs(token_dir: str, rank: int) -> Iterator[tuple[str, np.ndarray]
         off += n
 
 
+VALIDATION_SEED = 0x5EED_0001  # fixed: the held-out set must not move between builds
+
+
+def holdout_score(source: str, doc_id: str) -> float:
+    """xxh64 (seed `VALIDATION_SEED`) of `SOURCE\\0DOC_ID`, its top 53 bits mapped to [0, 1)."""
+    h = xxhash.xxh64_intdigest(f"{source}\0{doc_id}".encode(), seed=VALIDATION_SEED)
+    return (h >> 11) * 2.0**-53
+
+
+def select_validation(source: str, docs: Iterable[tuple[str, int]], cfg: ValidationConfig) -> set[int]:
+    """Positions (in `docs` order) of the held-out documents among `docs` = (doc_id, tokens) pairs:
+    candidates by `holdout_score < fraction`, smallest scores first, until a cap would be exceeded."""
+    if not cfg.enabled:
+        return set()
+    cands = []
+    for pos, (doc_id, n) in enumerate(docs):
+        score = holdout_score(source, doc_id)
+        if score < cfg.fraction:
+            cands.append((score, pos, n))
+    cands.sort()  # ties (equal ids) fall back to position, so the choice is still deterministic
+    held: set[int] = set()
+    tokens = 0
+    for _, pos, n in cands:
+        if cfg.max_documents is not None and len(held) + 1 > cfg.max_documents:
+            break
+        if cfg.max_tokens is not None and tokens + n > cfg.max_tokens:
+            break
+        held.add(pos)
+        tokens += n
+    return held
+
+
 def write_source(dataset: str, source: str, ranks: list[int], token_dir: str, dtype: str, block_tokens: int,
-                 shard_blocks: int) -> SourceInfo:
-    """Pack one source's tokenized tasks, in rank order, into shards of format v1."""
-    w = SourceWriter(dataset, source, dtype, block_tokens=block_tokens, shard_blocks=shard_blocks)
+                 shard_blocks: int, validation: ValidationConfig | None = None) -> tuple[SourceInfo, SourceInfo]:
+    """Pack one source's tokenized tasks, in rank order, into shards of format v1: (training, held-out)."""
+    cfg = validation or ValidationConfig(fraction=0.0)
+    metas = [read_json(os.path.join(token_dir, f"{r:05d}.docs.json")) for r in ranks]
+    held = select_validation(source, ((i, n) for m in metas for i, n in zip(m["ids"], m["lengths"])), cfg)
+    train = SourceWriter(dataset, source, dtype, block_tokens=block_tokens, shard_blocks=shard_blocks)
+    val = SourceWriter(dataset, source, dtype, block_tokens=block_tokens, shard_blocks=shard_blocks,
+                       prefix=VALIDATION_PREFIX)
     try:
+        pos = 0
         for r in ranks:
             for doc_id, toks in iter_task_docs(token_dir, r):
-                w.add_document(doc_id, toks)
+                (val if pos in held else train).add_document(doc_id, toks)
+                pos += 1
     except BaseException:
-        w.abort()
+        train.abort()
+        val.abort()
         raise
-    return w.close()
+    return train.close(), val.close()

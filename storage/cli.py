@@ -24,24 +24,29 @@ def inspect(dataset: str, as_json: bool) -> None:
     import json
 
     m = read_manifest(dataset)
+
+    def rows(sources):
+        return {n: {"shards": len(s.shards), "blocks": sum(x.blocks for x in s.shards), "documents": s.documents,
+                    "tokens": s.tokens, "bytes": sum(x.bytes for x in s.shards)} for n, s in sources.items()}
+
     if as_json:
-        rows = {n: {"shards": len(s.shards), "blocks": sum(x.blocks for x in s.shards), "documents": s.documents,
-                    "tokens": s.tokens, "bytes": sum(x.bytes for x in s.shards)} for n, s in m.sources.items()}
         click.echo(json.dumps({"dataset": dataset, "format_version": m.format_version,
-                               "tokenizer": vars(m.tokenizer), "sources": rows,
-                               "mix": [vars(p) for p in m.mix]}, indent=1))
+                               "tokenizer": vars(m.tokenizer), "sources": rows(m.sources),
+                               "validation": rows(m.validation), "mix": [vars(p) for p in m.mix]}, indent=1))
         return
     t = m.tokenizer
     click.echo(f"dataset   {dataset}  (format v{m.format_version})")
     click.echo(f"tokenizer {t.file}  vocab {t.vocab_size:,}  eos {t.eos_id}  dtype {t.dtype}  sha256 {t.sha256[:12]}")
     click.echo(f"{'source':<16}{'shards':>8}{'blocks':>9}{'documents':>12}{'tokens':>15}{'MiB':>10}")
-    for name, s in m.sources.items():
-        nbytes = sum(x.bytes for x in s.shards)
-        click.echo(f"{name:<16}{len(s.shards):>8}{sum(x.blocks for x in s.shards):>9}{s.documents:>12,}"
-                   f"{s.tokens:>15,}{nbytes / 2**20:>10.1f}")
+    for name, r in rows(m.sources).items():
+        click.echo(f"{name:<16}{r['shards']:>8}{r['blocks']:>9}{r['documents']:>12,}"
+                   f"{r['tokens']:>15,}{r['bytes'] / 2**20:>10.1f}")
     click.echo(f"{'total':<16}{sum(len(s.shards) for s in m.sources.values()):>8}"
                f"{sum(x.blocks for s in m.sources.values() for x in s.shards):>9}"
                f"{sum(s.documents for s in m.sources.values()):>12,}{m.total_tokens:>15,}")
+    for name, r in rows(m.validation).items():
+        click.echo(f"{'val/' + name:<16}{r['shards']:>8}{r['blocks']:>9}{r['documents']:>12,}"
+                   f"{r['tokens']:>15,}{r['bytes'] / 2**20:>10.1f}")
     for ph in m.mix:
         w = ", ".join(f"{k}={v:g}" for k, v in ph.weights.items())
         click.echo(f"phase {ph.name}: {ph.tokens:,} tokens; weights {w}")
@@ -50,12 +55,13 @@ def inspect(dataset: str, as_json: bool) -> None:
 @main.command()
 @click.argument("dataset")
 def verify(dataset: str) -> None:
-    """Check every shard of DATASET: sha256, tar safety, LZ4 frames, metadata, index and counts.
+    """Check every shard of DATASET (training and held-out validation): sha256, tar safety, LZ4 frames,
+    metadata, index and counts.
 
     Exits non-zero at the first corrupt shard, naming it and the member."""
-    ds = Dataset.open(dataset)
+    m = Dataset.open(dataset).manifest
     n = 0
-    for name, src in ds.manifest.sources.items():
+    for name, src in [*m.sources.items(), *m.validation.items()]:
         for sh in src.shards:
             url = fs.join(dataset, sh.path)
             try:

@@ -1,6 +1,8 @@
-"""Write one source's documents into blocks and shards of format v1; open a dataset for reading."""
+"""Write one source's documents into blocks and shards of format v1; open a dataset for reading;
+read documents back in order (`iter_documents`, e.g. a source's held-out validation shards)."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,20 +13,26 @@ from storage.shard_writer import ShardWriter
 from storage.shards import ShardReader, parse_dtype
 
 
-def shard_relpath(source: str, index: int) -> str:
-    return f"{source}/shard-{index:06d}.tar"
+VALIDATION_PREFIX = "validation"
+
+
+def shard_relpath(source: str, index: int, prefix: str = "") -> str:
+    """`SOURCE/shard-NNNNNN.tar`, or `PREFIX/SOURCE/shard-NNNNNN.tar` with a prefix."""
+    path = f"{source}/shard-{index:06d}.tar"
+    return f"{prefix.strip('/')}/{path}" if prefix else path
 
 
 class SourceWriter:
     """Packs whole documents (token arrays ending in EOS) into blocks of ~`block_tokens` tokens and
     rolls to a new shard after `shard_blocks` blocks. A document longer than a block gets a block
-    of its own. `close()` returns the source's manifest entry."""
+    of its own. With `prefix` the shards go to `PREFIX/SOURCE/` (e.g. the held-out validation split).
+    `close()` returns the source's manifest entry."""
 
     def __init__(self, dataset: str, source: str, dtype: str, block_tokens: int = 262_144,
-                 shard_blocks: int = 64, first_shard: int = 0):
+                 shard_blocks: int = 64, first_shard: int = 0, prefix: str = ""):
         if block_tokens <= 0 or shard_blocks <= 0:
             raise ValueError("block_tokens and shard_blocks must be > 0")
-        self.dataset, self.source, self.dtype = dataset, source, parse_dtype(dtype)
+        self.dataset, self.source, self.dtype, self.prefix = dataset, source, parse_dtype(dtype), prefix
         self.block_tokens, self.shard_blocks = block_tokens, shard_blocks
         self.info = SourceInfo()
         self._next_shard = first_shard
@@ -49,7 +57,7 @@ class SourceWriter:
         if not self._docs:
             return
         if self._writer is None:
-            self._relpath = shard_relpath(self.source, self._next_shard)
+            self._relpath = shard_relpath(self.source, self._next_shard, self.prefix)
             self._writer = ShardWriter(fs.join(self.dataset, self._relpath), self.dtype, self.source)
             self._next_shard += 1
         offsets = np.concatenate([[0], np.cumsum([len(d) for d in self._docs])]).tolist()
@@ -80,14 +88,40 @@ class SourceWriter:
 
 @dataclass
 class Dataset:
-    """A dataset opened for reading: its manifest and one reader per shard."""
+    """A dataset opened for reading: its manifest and one reader per shard (training shards in
+    `readers`, held-out validation shards in `validation_readers`)."""
     url: str
     manifest: Manifest
     readers: dict[str, list[ShardReader]] = field(default_factory=dict)
+    validation_readers: dict[str, list[ShardReader]] = field(default_factory=dict)
 
     @classmethod
     def open(cls, url: str) -> "Dataset":
         m = read_manifest(url)
-        readers = {name: [ShardReader(fs.join(url, sh.path)) for sh in src.shards]
-                   for name, src in m.sources.items()}
-        return cls(url, m, readers)
+
+        def open_all(sources: dict[str, SourceInfo]) -> dict[str, list[ShardReader]]:
+            return {name: [ShardReader(fs.join(url, sh.path)) for sh in src.shards] for name, src in sources.items()}
+
+        return cls(url, m, open_all(m.sources), open_all(m.validation))
+
+
+def iter_documents(dataset_url: str, shard_infos: Iterable[ShardInfo],
+                   verify: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """iter_documents(dataset_url: str, shard_infos: Iterable[ShardInfo], verify: bool = True)
+    -> Iterator[tuple[str, np.ndarray]]
+
+    Every document of the given shards (paths relative to `dataset_url`), in shard, block and document
+    order, as `(doc_id, tokens)`; `tokens` ends with EOS and is a view into its decoded block (copy it
+    to keep it beyond the block). Blocks are range-read through each shard's index and checked (xxh3
+    of each block unless `verify=False`). For example, a source's held-out split:
+    `iter_documents(url, read_manifest(url).validation["web"].shards)`."""
+    for sh in shard_infos:
+        reader = ShardReader(fs.join(dataset_url, sh.path))
+        try:
+            for k in range(len(reader)):
+                block = reader.read_block(k, verify=verify)
+                offs = block.offsets
+                for i, doc_id in enumerate(block.doc_ids):
+                    yield doc_id, block.tokens[offs[i]:offs[i + 1]]
+        finally:
+            reader.close()

@@ -1,4 +1,5 @@
-"""Dataset `manifest.json`: tokenizer, shards per source with checksums, build stats, mix schedule."""
+"""Dataset `manifest.json`: tokenizer, shards per source with checksums, held-out validation shards,
+build stats, mix schedule."""
 from __future__ import annotations
 
 import json
@@ -59,12 +60,19 @@ class Manifest:
     build_stats: dict[str, Any] = field(default_factory=dict)
     build_config: dict[str, Any] = field(default_factory=dict)
     software: dict[str, str] = field(default_factory=dict)
+    # Held-out split per source (`validation/SOURCE/shard-*.tar`); never in the mix or the training
+    # loader. Optional: manifests written before it existed load with none.
+    validation: dict[str, SourceInfo] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.format_version != FORMAT_VERSION:
             raise ConfigError(f"format_version {self.format_version} is not supported (this reader knows "
                               f"{FORMAT_VERSION})")
         validate_mix(self.mix, self.sources)
+        unknown = sorted(set(self.validation) - set(self.sources))
+        if unknown:
+            raise ConfigError(f"key 'validation': unknown source {unknown[0]!r} "
+                              f"(sources: {', '.join(self.sources)})")
 
     @property
     def total_tokens(self) -> int:

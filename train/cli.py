@@ -1,4 +1,4 @@
-"""The `train` command: launch (torchrun / Slurm), estimate, plot."""
+"""The `train` command: launch (torchrun / Slurm), eval, estimate, plot, ckpt."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,7 +13,7 @@ from train.config import TrainConfig
 
 @click.group()
 def main() -> None:
-    """Megatron-core GPT training: launch, estimate, plot."""
+    """Megatron-core GPT training: launch, eval, estimate, plot, ckpt."""
 
 
 @main.command()
@@ -39,6 +39,84 @@ def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoin
         rc = launcher.launch(cfg, nproc=nproc, nnodes=nnodes, node_rank=node_rank, dry_run=dry_run)
     except cfgmod.ConfigError as e:
         raise click.UsageError(f"{config_path}: {e}") from None
+    sys.exit(rc)
+
+
+@main.command("eval")
+@click.argument("target", required=False, metavar="[CHECKPOINT|RUN_DIR]")
+@click.option("--hf", "hf_folder", type=click.Path(exists=True, file_okay=False),
+              help="Evaluate a Hugging Face folder through transformers instead of a checkpoint.")
+@click.option("--table", "table_dir", type=click.Path(exists=True, file_okay=False),
+              help="Print RUN_DIR's results: one row per checkpoint, one column per task.")
+@click.option("--tasks", default=None, help="Comma-separated task specs (default: eval.tasks, else the "
+              "early-signal set); NAME=FILE.jsonl adds a task of your own.")
+@click.option("--limit", type=int, default=None, help="Items per task, a deterministic subsample (default eval.limit).")
+@click.option("--validation-tokens", type=int, default=None, help="Held-out tokens per source (0: no validation loss).")
+@click.option("--all", "every", is_flag=True, help="Every checkpoint of RUN_DIR (default: the newest).")
+@click.option("--nproc", type=int, default=1, show_default=True, help="Processes (world = TP × PP × DP).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a run config key, "
+              "e.g. parallel.tp=2 (repeatable).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="Train config (default: the run's config.yaml next to the checkpoints).")
+@click.option("--tokenizer", type=click.Path(dir_okay=False), default=None, help="tokenizer.json for the tasks.")
+@click.option("--out", type=click.Path(), default=None, help="Results folder (default RUN_DIR/eval).")
+@click.option("--metric", type=click.Choice(["acc", "acc_norm", "acc_token"]), default="acc_norm",
+              show_default=True, help="With --table: the metric shown per task.")
+def eval_cmd(target, hf_folder, table_dir, tasks, limit, validation_tokens, every, nproc, overrides, config_path,
+             tokenizer, out, metric):
+    """Evaluate a checkpoint (any TP/PP layout, resharded on load), a run's checkpoints, or a HF folder:
+    validation loss per source (loss, ppl, bits/byte) and multiple-choice benchmarks (acc, acc_norm, acc_token)."""
+    import json
+    import os
+
+    from storage.evaltasks import EARLY_SIGNAL, TaskError, load_task
+    from train.eval import results
+
+    if table_dir:
+        try:
+            click.echo(results.table(table_dir, metric))
+        except FileNotFoundError as e:
+            raise click.ClickException(str(e)) from None
+        return
+    task_list = [t for t in tasks.split(",") if t.strip()] if tasks else None
+    if hf_folder:
+        from train.eval.hf import score_hf
+
+        try:
+            loaded = [load_task(t, limit or 200) for t in (task_list or EARLY_SIGNAL)]
+        except TaskError as e:
+            raise click.UsageError(str(e)) from None
+        res = score_hf(hf_folder, loaded)
+        path = out or os.path.join(hf_folder, "eval.json")
+        with open(path, "w") as f:
+            json.dump({"hf_folder": os.path.abspath(hf_folder), "tasks": res}, f, indent=1)
+        for name, r in res.items():
+            m = r["metrics"]
+            click.echo(f"{name:<16} acc {m['acc']:.3f}  acc_norm {m['acc_norm']:.3f}  acc_token {m['acc_token']:.3f}"
+                       f"  ({m['items']} items)")
+        click.echo(f"wrote {path}")
+        return
+    if not target:
+        raise click.UsageError("give a CHECKPOINT or RUN_DIR, --hf FOLDER, or --table RUN_DIR")
+    # the evaluation layout is independent of the training one: DP over --nproc unless --set says otherwise
+    sets = ["parallel.tp=1", "parallel.pp=1", "parallel.micro_batch_size=1", f"parallel.global_batch_size={nproc}",
+            *overrides]
+    if task_list is not None:
+        sets.append(f"eval.tasks={json.dumps(task_list)}")
+    if limit is not None:
+        sets.append(f"eval.limit={limit}")
+    if validation_tokens is not None:
+        sets.append(f"eval.validation_tokens={validation_tokens}")
+    try:
+        ckpts = results.checkpoints(target, every)
+        cfg = results.resolve_config(ckpts[0], config_path, sets)
+        if task_list is None and not cfg.eval.tasks:
+            cfg.eval.tasks = list(EARLY_SIGNAL)
+        run_dir = results.run_dir_of(ckpts[0])
+        out_dir = out or (str(run_dir / "eval") if run_dir else os.path.join(os.path.dirname(ckpts[0]), "eval"))
+        rc = results.launch(ckpts, cfg, out_dir, nproc, tokenizer)
+    except cfgmod.ConfigError as e:
+        raise click.UsageError(str(e)) from None
     sys.exit(rc)
 
 
@@ -74,7 +152,7 @@ def estimate(config_path, preset, overrides, gpus, mfu, no_flash):
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="PNG path (default RUN_DIR/metrics.png).")
 def plot(run_dir, out):
-    """Plot RUN_DIR/metrics.jsonl to a PNG."""
+    """Plot RUN_DIR/metrics.jsonl to a PNG (and in-loop evaluations to eval.png beside it)."""
     from train.plot import plot as do_plot
 
     try:

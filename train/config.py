@@ -1,7 +1,8 @@
 """`TrainConfig`: the typed `train launch` config, validated before any process starts.
 
 Sections: model (train.models.ModelConfig), parallel, data (storage.loader's LoaderConfig keys), optim, spike,
-monitor, alerts, launch (torchrun / Slurm), checkpoint (train.checkpoint CheckpointConfig), debug.
+monitor, alerts, launch (torchrun / Slurm), checkpoint (train.checkpoint CheckpointConfig), eval
+(train.eval.config.EvalConfig), debug.
 Errors name the key (`parallel.tp`, `data.seq_len`, ...). Checks that need the world size
 (world = TP × PP × DP, batch divisibility) are in `check_world`, run by `train launch` before torchrun.
 """
@@ -13,6 +14,7 @@ from typing import Literal
 from storage.config import ConfigError
 from storage.loader.config import LoaderConfig
 from train.checkpoint.config import CheckpointConfig
+from train.eval.config import EvalConfig
 from train.models import ModelConfig
 
 
@@ -155,6 +157,7 @@ class TrainConfig:
     alerts: AlertConfig = field(default_factory=AlertConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def validate(self) -> None:
@@ -190,6 +193,11 @@ class TrainConfig:
 
     def check_data(self) -> None:
         """The dataset must exist (unless synthetic) and fit the model's vocabulary."""
+        if self.eval.tasks:
+            self.eval.load_tasks()  # unknown names and malformed task files fail here, before torchrun
+            if self.debug.synthetic_data or not self.data.dataset:
+                raise ConfigError("key 'eval.tasks': benchmarks need the dataset's tokenizer; set data.dataset "
+                                  "(synthetic data has no tokenizer)")
         if self.debug.synthetic_data:
             return
         if not self.data.dataset:

@@ -102,6 +102,19 @@ class Sinks:
                     self._tb.add_scalar(f"train/{k}", v, rec["step"])
         print(format_record(rec), file=sys.stdout, flush=True)
 
+    def log_eval(self, step: int, consumed_tokens: int, metrics: dict) -> None:
+        """An evaluation record (`val/<source>/...`, `eval/<task>/...`, `eval_time_s`): JSONL, TensorBoard
+        under its own tags, and one console line."""
+        if not self.enabled:
+            return
+        rec = {"time": time.time(), "step": step, "consumed_tokens": consumed_tokens, "kind": "eval", **metrics}
+        self._jsonl.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(k if "/" in k else f"eval/{k}", v, step)
+        print(format_eval(rec), file=sys.stdout, flush=True)
+
     def event(self, step: int, kind: str, message: str) -> None:
         """Alerts and notable events: console (stderr) and JSONL."""
         if not self.enabled:
@@ -126,6 +139,16 @@ def format_record(r: dict) -> str:
     parts.append(f"mem {mem:.2f} GiB")
     if r.get("skipped_steps"):
         parts.append(f"skipped {r['skipped_steps']}")
+    return " | ".join(parts)
+
+
+def format_eval(r: dict) -> str:
+    parts = [f"eval {r['step']:>6}"]
+    if "val/all/loss" in r:
+        parts.append(f"val loss {r['val/all/loss']:.4f} ppl {r['val/all/ppl']:.1f} bpb {r['val/all/bpb']:.3f}")
+    tasks = sorted({k.split("/")[1] for k in r if k.startswith("eval/") and k.endswith("/acc_norm")})
+    parts += [f"{t} {r[f'eval/{t}/acc_norm']:.3f}" for t in tasks]
+    parts.append(f"{r['eval_time_s']:.1f} s")
     return " | ".join(parts)
 
 

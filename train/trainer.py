@@ -58,6 +58,7 @@ class Trainer:
         self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_flops(cfg.monitor.peak_flops, cfg.precision)
         self.ckpt = _checkpoint_manager(cfg, self.run_dir)
+        self.evaluator = _evaluator(cfg, self.model, par, self.sinks) if cfg.eval.every else None
         self.stop_reason: str | None = None
 
     # ---------------------------------------------------------------- one step
@@ -158,6 +159,9 @@ class Trainer:
                 if st.step % cfg.monitor.log_every == 0 or st.step == cfg.steps:
                     last = self._log(window)
                     window = []
+                if self.evaluator is not None and (st.step % cfg.eval.every == 0 or st.step == cfg.steps):
+                    metrics, _ = self.evaluator.run()  # its wall time is logged apart from tokens/s and MFU
+                    self.sinks.log_eval(st.step, st.consumed_tokens, metrics)
                 if cfg.stop_at is not None and st.step >= cfg.stop_at and not self.stop_reason:
                     self.stop_reason = f"stop_at {cfg.stop_at} reached"
                 if self.ckpt is not None:  # the last step and a clean stop always leave a checkpoint
@@ -212,6 +216,20 @@ def _checkpoint_manager(cfg: TrainConfig, run_dir: Path):
 
         meta["tokenizer"] = fs.join(cfg.data.dataset, read_manifest(cfg.data.dataset).tokenizer.file)
     return CheckpointManager(cfg.checkpoint, str(run_dir), meta=meta)
+
+
+def _evaluator(cfg: TrainConfig, model: list, par, sinks: Sinks):
+    """train.eval's evaluator on the training model; the dataset's tokenizer scores the benchmarks."""
+    from train.eval.evaluator import build_evaluator
+
+    dataset = None if cfg.debug.synthetic_data else cfg.data.dataset
+    tok = None
+    if dataset:
+        from storage import fs
+        from storage.manifest import read_manifest
+
+        tok = fs.join(dataset, read_manifest(dataset).tokenizer.file)
+    return build_evaluator(cfg, model, par, tok, dataset, warn=lambda msg: sinks.event(0, "warning", msg))
 
 
 def run(cfg: TrainConfig) -> int:

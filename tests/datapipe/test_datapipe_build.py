@@ -75,7 +75,8 @@ def test_every_document_is_in_a_shard_or_in_rejects(built):
     for name, src in m.sources.items():
         st = src.stats
         dropped = sum(v for k, v in st.items() if k.startswith("dropped_") and ":" not in k)
-        assert st["read"] == dropped + st["exact_duplicates"] + st["near_duplicates"] + src.documents, (name, st)
+        assert st["read"] == dropped + st["exact_duplicates"] + st["near_duplicates"] + st["decontaminated"] + \
+            src.documents + st["validation_documents"], (name, st)
     n_in = sum(len(Path(p).read_text().splitlines()) for ps in inputs.values() for p in ps)
     assert m.build_stats["read"] == n_in
     rejects = _rejects(cfg.output)

@@ -1,6 +1,7 @@
 """Export a checkpoint (full or incremental, any TP/PP layout) to a Hugging Face Llama folder:
-model.safetensors, config.json, generation_config.json and tokenizer.json, loadable by
-`transformers.LlamaForCausalLM.from_pretrained`.
+model.safetensors, config.json, generation_config.json, tokenizer.json, and (when the EOS token is known:
+see train.checkpoint.hf_tokenizer) tokenizer_config.json and special_tokens_map.json, loadable by
+`transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained` and lm-eval's HF backend.
 
 Weights are read as whole (unsharded) tensors (raw full checkpoints: assembled from the ranks' pieces;
 torch_dist ones: megatron's `load_plain_tensors`), deltas applied for incremental checkpoints, then
@@ -114,9 +115,14 @@ def model_shape(manifest: dict, overrides: dict | None = None) -> dict:
     return ModelConfig(**{k: v for k, v in meta.items() if k in known}).resolved().__dict__
 
 
-def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides: dict | None = None) -> dict:
-    """Write the HF folder; returns the config written."""
+def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides: dict | None = None,
+           eos_token: str | None = None) -> dict:
+    """Write the HF folder; returns the config written. The EOS token (also BOS and padding) is `eos_token`,
+    else the EOS of the dataset the tokenizer belongs to, else the tokenizer's only special token."""
     from safetensors.torch import save_file
+
+    from storage.fs import read_bytes
+    from train.checkpoint.hf_tokenizer import resolve_eos, write_tokenizer_files
 
     tensors, m = load_model_tensors(ckpt_dir)
     s = model_shape(m, overrides)
@@ -135,14 +141,18 @@ def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides:
         "smoltrain_checkpoint": {"name": m["name"], "step": m["step"], "kind": m["kind"]},
     }
     os.makedirs(out_dir, exist_ok=True)
+    tok = tokenizer or (m.get("meta") or {}).get("tokenizer")
+    special = {}
+    if tok:
+        tok_bytes = read_bytes(tok)
+        special = write_tokenizer_files(out_dir, tok_bytes, resolve_eos(tok_bytes, tok, eos_token),
+                                        s["max_position_embeddings"])
+    elif eos_token is not None:
+        raise ValueError("an EOS token was given but there is no tokenizer to export (pass --tokenizer)")
+    config.update(special)
     save_file(hf, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"_from_model_config": True}, f)
-    tok = tokenizer or (m.get("meta") or {}).get("tokenizer")
-    if tok:
-        from storage.fs import atomic_write_bytes, read_bytes
-
-        atomic_write_bytes(os.path.join(out_dir, "tokenizer.json"), read_bytes(tok))
+        json.dump({"_from_model_config": True, **special}, f, indent=1)
     return config

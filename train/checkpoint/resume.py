@@ -45,8 +45,9 @@ def broadcast_choice(name: str | None) -> str | None:
     return name
 
 
-def load_into(state: TrainState, root: str, name: str, cfg: CheckpointConfig) -> dict:
-    """Load checkpoint `name` into `state` in place. Returns {'base_name', 'base_snapshot', 'manifest'}."""
+def load_into(state: TrainState, root: str, name: str, cfg: CheckpointConfig, restore_rng: bool = True) -> dict:
+    """Load checkpoint `name` into `state` in place. Returns {'base_name', 'base_snapshot', 'manifest'}.
+    restore_rng=False: weights and counters only (evaluation), RNG streams left alone."""
     path = os.path.join(root, name)
     m = layout.read_manifest(fsspec.filesystem("file"), path)
     base_name = m["base"] or name
@@ -61,7 +62,9 @@ def load_into(state: TrainState, root: str, name: str, cfg: CheckpointConfig) ->
     state_io.load_train_state(state, ts)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     rng_file = os.path.join(path, "rng", f"rank{rank:05d}.pt")
-    if m.get("layout") == state_io.layout() and os.path.exists(rng_file):
+    if not restore_rng:
+        pass
+    elif m.get("layout") == state_io.layout() and os.path.exists(rng_file):
         state_io.set_rng_state(torch.load(rng_file, weights_only=False))
     elif rank == 0:
         log.warning("checkpoint %s: parallel layout changed (%s -> %s): RNG states not restored",

@@ -1,0 +1,162 @@
+"""Evaluation end to end on a model trained here: `datapipe build` with a held-out split → `train launch`
+with in-loop evaluation → `train eval` of the same checkpoint under DP1, DP2, TP2 and PP2 → the same
+items through lm-evaluation-harness (HF backend) on the `train ckpt export` folder; table, plot, bad input."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from testutil import read_corpus, write_jsonl
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+TASKS = ["arc_easy", "piqa", "hellaswag"]
+LIMIT = 70  # 3 tasks × 70 = 210 items
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", *args], env=_env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny model trained 40 steps on two real sources with a held-out split, evaluating every 20 steps."""
+    from datapipe.tokenize import train_bpe
+
+    root = tmp_path_factory.mktemp("evalrun")
+    docs, books = read_corpus("pydoc", 500), read_corpus("shakespeare", 120)
+    tok = train_bpe([d["text"] for d in docs[:300] + books[:60]], 2048, "<|endoftext|>", str(root / "tok.json"))
+    build = {"output": str(root / "data"), "tokenizer": {"path": tok},
+             "sources": [{"name": "docs", "paths": [write_jsonl(root / "in" / "docs.jsonl", docs)], "filters": []},
+                         {"name": "books", "paths": [write_jsonl(root / "in" / "books.jsonl", books)], "filters": []}],
+             "validation": {"fraction": 0.08}, "shards": {"block_tokens": 16384, "shard_blocks": 8}}
+    (root / "build.yaml").write_text(yaml.safe_dump(build))
+    r = _cli("datapipe.cli", "build", str(root / "build.yaml"), "--workers", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    train = {"run_dir": str(root / "run"), "steps": 40, "seed": 3, "model": {"preset": "tiny"},
+             "data": {"dataset": str(root / "data"), "seq_len": 128},
+             "parallel": {"tp": 2, "micro_batch_size": 4, "global_batch_size": 16},
+             "optim": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 10},
+             "monitor": {"log_every": 10}, "checkpoint": {"full_every": 20, "incremental_every": 0},
+             "eval": {"every": 20, "validation_tokens": 4096, "tasks": ["piqa"], "limit": 10}}
+    (root / "train.yaml").write_text(yaml.safe_dump(train))
+    r = _cli("train.cli", "launch", str(root / "train.yaml"), "--nproc", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return root
+
+
+def _eval(run_root: Path, name: str, nproc: int, *sets: str) -> dict:
+    out = run_root / name
+    args = ["train.cli", "eval", str(run_root / "run"), "--tasks", ",".join(TASKS), "--limit", str(LIMIT),
+            "--validation-tokens", "4096", "--nproc", str(nproc), "--out", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    r = _cli(*args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads((out / "step_00000040.json").read_text())
+
+
+def test_in_loop_evaluation_is_logged(run):
+    recs = [json.loads(x) for x in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [20, 40]
+    for r in evals:
+        for key in ("val/docs/loss", "val/books/loss", "val/all/loss", "val/all/ppl", "val/all/bpb",
+                    "eval/piqa/acc", "eval/piqa/acc_norm", "eval/piqa/acc_token", "eval_time_s"):
+            assert key in r, key
+        assert r["val/all/ppl"] == pytest.approx(math.exp(r["val/all/loss"]))
+        assert 0 < r["val/all/bpb"] < r["val/all/loss"] / math.log(2)  # a token holds more than one byte
+    assert evals[1]["val/all/loss"] < math.log(2048)  # learnt something on held-out text
+    assert all("eval_time_s" not in r for r in recs if "loss" in r)  # kept out of training records
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "run" / "tb"))
+    acc.Reload()
+    assert {"val/all/loss", "val/docs/bpb", "eval/piqa/acc_norm"} <= set(acc.Tags()["scalars"])
+
+
+def test_same_numbers_under_every_layout_and_parity_with_lm_eval(run):
+    from storage.evaltasks import load_task
+    from train.eval.lmeval import run_lmeval
+
+    layouts = {"dp1": _eval(run, "dp1", 1), "dp2": _eval(run, "dp2", 2),
+               "tp2": _eval(run, "tp2", 2, "parallel.tp=2"), "pp2": _eval(run, "pp2", 2, "parallel.pp=2")}
+    ref = layouts["dp1"]["metrics"]
+    val_keys = [k for k in ref if k.startswith("val/")]
+    assert {"val/docs/loss", "val/books/loss", "val/all/bpb"} <= set(val_keys)
+    for name, res in layouts.items():
+        assert res["layout"]["dp" if name.startswith("dp") else name[:2]] == int(name[-1])
+        for k in val_keys:
+            assert res["metrics"][k] == pytest.approx(ref[k], rel=1e-6), (name, k)
+
+    r = _cli("train.cli", "ckpt", "export", str(run / "run" / "checkpoints" / "step_00000040"), str(run / "hf"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    n_items = 0
+    for task in TASKS:
+        items = load_task(task, LIMIT).items
+        ref = run_lmeval(str(run / "hf"), f"parity_{task}", items, str(run / "lmeval"))
+        n_items += len(items)
+        for name in ("tp2", "pp2"):
+            ours = layouts[name]["tasks"][task]
+            assert ours["item_ids"] == [it.item_id for it in items]
+            flat_ours = [x for ll in ours["logliks"] for x in ll]
+            flat_ref = [x for ll in ref["logliks"] for x in ll]
+            assert max(abs(a - b) for a, b in zip(flat_ours, flat_ref)) < 1e-4, (task, name)
+            assert ours["metrics"]["acc"] == ref["acc"] and ours["metrics"]["acc_norm"] == ref["acc_norm"]
+    assert n_items >= 200
+
+
+def test_table_and_plot(run):
+    r = _cli("train.cli", "eval", str(run / "run"), "--all", "--tasks", "piqa", "--limit", "10",
+             "--validation-tokens", "1024")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _cli("train.cli", "eval", "--table", str(run / "run"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:5] == ["checkpoint", "step", "tokens", "val", "loss"] and "piqa" in lines[0]
+    rows = [ln.split() for ln in lines[1:] if ln.startswith("step_")]
+    assert [row[0] for row in rows] == ["step_00000020", "step_00000040"]
+    res = json.loads((run / "run" / "eval" / "step_00000040.json").read_text())
+    assert float(rows[1][3]) == pytest.approx(res["metrics"]["val/all/loss"], abs=1e-4)
+    assert float(rows[1][5]) == pytest.approx(res["tasks"]["piqa"]["metrics"]["acc_norm"], abs=1e-3)
+    r = _cli("train.cli", "plot", str(run / "run"))
+    assert r.returncode == 0, r.stderr
+    assert (run / "run" / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_input_messages(run, tmp_path):
+    r = _cli("train.cli", "eval", str(run / "run"), "--tasks", "hellaswagg")
+    assert r.returncode == 2 and "unknown task 'hellaswagg'" in r.stderr and "arc_challenge" in r.stderr
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text(json.dumps({"doc_id": 1, "context": "Q:", "continuation": " a", "label": 0}) + "\n"
+                   + json.dumps({"doc_id": 1, "context": "Q:", "continuation": 5, "label": 0}) + "\n")
+    r = _cli("train.cli", "eval", str(run / "run"), "--tasks", f"mine={bad}")
+    assert r.returncode == 2 and f"{bad}:2" in r.stderr and "'continuation'" in r.stderr
+    # a dataset without a held-out split: a clear warning, then the benchmarks still run
+    ds = run / "data"
+    man = json.loads((ds / "manifest.json").read_text())
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("tokenizer.json",):
+        (old / name).write_bytes((ds / name).read_bytes())
+    for src in man["sources"]:
+        (old / src).symlink_to(ds / src)
+    man.pop("validation")
+    (old / "manifest.json").write_text(json.dumps(man))
+    r = _cli("train.cli", "eval", str(run / "run" / "checkpoints" / "step_00000040"), "--tasks", "piqa",
+             "--limit", "5", "--set", f"data.dataset={old}", "--out", str(tmp_path / "res"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "has no validation split" in r.stderr
+    res = json.loads((tmp_path / "res" / "step_00000040.json").read_text())
+    assert "eval/piqa/acc" in res["metrics"] and not any(k.startswith("val/") for k in res["metrics"])

@@ -1,0 +1,105 @@
+"""The evaluation run used in the training loop and by `train eval`: validation loss on the held-out split
+and log-likelihood multiple-choice tasks, through one `Scorer` on the model in memory.
+
+Everything that does not depend on the weights (task items, their token ids, tree rows, validation
+sequences) is built once; each call of `run()` only scores. Metrics come back flat
+(`val/<source>/{loss,ppl,bpb}`, `eval/<task>/{acc,acc_norm,acc_token}`), ready for the metric sinks.
+"""
+from __future__ import annotations
+
+import time
+
+from storage.config import ConfigError
+from storage.evaltasks import Task
+from train.eval.requests import encode_items, task_metrics
+from train.eval.scorer import Row, Scorer, flat_rows, supports_trees, tree_row
+from train.eval.validation import ValidationSet
+
+
+def check_tokenizer(tokenizer_path: str, model_vocab: int) -> int:
+    """The tokenizer's vocabulary size; refused when it does not fit the model's embedding."""
+    from tokenizers import Tokenizer
+
+    n = Tokenizer.from_file(tokenizer_path).get_vocab_size(with_added_tokens=True)
+    if n > model_vocab:
+        raise ConfigError(f"tokenizer {tokenizer_path} has {n} tokens but the model's vocabulary has {model_vocab}: "
+                          "they do not belong together")
+    return n
+
+
+class Evaluator:
+    def __init__(self, scorer: Scorer, *, tasks: list[Task], tokenizer_path: str | None, eos_id: int | None,
+                 max_length: int, validation: ValidationSet | None, shared_context: bool = True):
+        self.scorer, self.tasks, self.validation = scorer, tasks, validation
+        self.trees = shared_context and supports_trees(scorer.model)
+        self.rows: list[Row] = []
+        self.where: dict[str, list[list[tuple[int, int]]]] = {}  # task → item → candidate → (row, span)
+        self.n_tokens: dict[str, list[list[int]]] = {}
+        if tasks:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(tokenizer_path)
+            for t in tasks:
+                self._add_task(t, encode_items(tok, t.items, max_length, eos_id))
+
+    def _add_task(self, task: Task, encoded) -> None:
+        where, ntok = [], []
+        for cands in encoded:
+            inputs = [(c.context + c.continuation)[:-1] for c in cands]
+            labels = [(c.context + c.continuation)[1:] for c in cands]
+            scored = [len(c.continuation) for c in cands]
+            ntok.append(scored)
+            if self.trees:
+                where.append([(len(self.rows), j) for j in range(len(cands))])
+                self.rows.append(tree_row(inputs, labels, scored))
+            else:
+                where.append([(len(self.rows) + j, 0) for j in range(len(cands))])
+                self.rows += flat_rows(inputs, labels, scored)
+        self.where[task.name], self.n_tokens[task.name] = where, ntok
+
+    def run(self) -> tuple[dict[str, float], dict]:
+        """(flat metrics, per-task details with every candidate's log-likelihood)."""
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if self.validation is not None:
+            metrics.update(self.validation.evaluate(self.scorer))
+        details: dict = {}
+        if self.rows:
+            scores = self.scorer.score(self.rows)
+            for t in self.tasks:
+                ll = [[scores[r][s] for r, s in item] for item in self.where[t.name]]
+                m = task_metrics(t.items, ll, self.n_tokens[t.name])
+                details[t.name] = {"metrics": m, "item_ids": [it.item_id for it in t.items], "logliks": ll}
+                metrics.update({f"eval/{t.name}/{k}": v for k, v in m.items() if k in ("acc", "acc_norm", "acc_token")})
+        metrics["eval_time_s"] = time.perf_counter() - t0
+        return metrics, details
+
+
+def build_evaluator(cfg, model_chunks, par, tokenizer_path: str | None, dataset: str | None,
+                    warn=print) -> Evaluator:
+    """The evaluator of a TrainConfig (`cfg.eval`); a dataset without a held-out split gives a warning
+    (through `warn`) and no validation loss, not an error."""
+    from storage.manifest import read_manifest
+    from train.eval.validation import NoValidationSet
+
+    ec = cfg.eval
+    m = cfg.model.resolved()
+    eos = None
+    if ec.tasks:
+        check_tokenizer(tokenizer_path, m.vocab_size)
+        if dataset:
+            eos = read_manifest(dataset).tokenizer.eos_id
+        else:
+            from tokenizers import Tokenizer
+
+            eos = Tokenizer.from_file(tokenizer_path).token_to_id("<|endoftext|>")
+    validation = None
+    if ec.validation_tokens and dataset:
+        try:
+            validation = ValidationSet.from_dataset(dataset, cfg.data.seq_len, ec.validation_tokens)
+        except NoValidationSet as e:
+            warn(str(e))
+    scorer = Scorer(model_chunks, par, batch_tokens=ec.batch_tokens)
+    return Evaluator(scorer, tasks=ec.load_tasks(), tokenizer_path=tokenizer_path, eos_id=eos,
+                     max_length=ec.max_length or m.max_position_embeddings, validation=validation,
+                     shared_context=ec.shared_context)

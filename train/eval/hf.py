@@ -1,0 +1,140 @@
+"""`train eval --hf FOLDER`: score multiple-choice items with a Hugging Face model folder through
+transformers (e.g. one written by `train ckpt export`), the same way lm-evaluation-harness's HF backend
+does: requests encoded by train.eval.requests (the folder's tokenizer.json through the `tokenizers`
+library, so ids are those of the Megatron path), float32 model, log_softmax in float32, continuation
+log-probs summed per candidate.
+
+Candidates are sorted by length (longest first, as lm-eval does) and batched with right padding under a
+token budget (rows × longest row ≤ batch_tokens). Candidates whose model inputs are identical (e.g. one-
+token continuations of a shared context) are run once. For Llama-like models only the hidden states at
+continuation positions go through the output layer (the logits of a whole batch over a large vocabulary
+would not fit in memory); others use the model's full logits.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from storage.evaltasks import Task
+from train.eval.requests import encode_items, task_metrics
+
+# Models whose causal-LM head is exactly `lm_head(base_model(...).last_hidden_state)`.
+_PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "smollm3"}
+
+
+def load_hf(folder: str):
+    """(model in float32 eval mode, tokenizers.Tokenizer, eos id, max_length) for a HF folder."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tok_path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise FileNotFoundError(f"{folder}: no tokenizer.json (export with a tokenizer: train ckpt export "
+                                "--tokenizer PATH)")
+    tok = Tokenizer.from_file(tok_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    cfg = model.config
+    eos = cfg.eos_token_id
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None:  # an older export: EOS only in tokenizer_config.json, or not at all
+        tc_path = os.path.join(folder, "tokenizer_config.json")
+        name = None
+        if os.path.isfile(tc_path):
+            with open(tc_path) as f:
+                name = json.load(f).get("eos_token")
+        if isinstance(name, dict):
+            name = name.get("content")
+        eos = tok.token_to_id(name) if name else None
+    if eos is None:
+        raise ValueError(f"{folder}: no EOS token in config.json or tokenizer_config.json (needed as the "
+                         "prefix of empty contexts); re-export it with `train ckpt export`")
+    max_length = getattr(cfg, "max_position_embeddings", None) or 2048
+    return model, tok, int(eos), int(max_length)
+
+
+def _batches(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Consecutive runs of `order` (longest first) with len(run) × longest ≤ batch_tokens (≥ 1 row)."""
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+@torch.inference_mode()
+def _score_inputs(model, inputs: list[list[int]], targets: list[list[list[int]]], pad_id: int,
+                  batch_tokens: int) -> list[list[float]]:
+    """For each distinct input row, the summed log-probs of each of its target continuations (the last
+    len(target) positions of the row predict the target tokens)."""
+    plain = getattr(model.config, "model_type", None) in _PLAIN_HEAD
+    lengths = [len(x) for x in inputs]
+    order = sorted(range(len(inputs)), key=lambda i: (-lengths[i], inputs[i]))
+    out: list[list[float]] = [[] for _ in inputs]
+    for rows in _batches(order, lengths, batch_tokens):
+        width = lengths[rows[0]]
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, :lengths[i]] = torch.tensor(inputs[i])
+        if plain:
+            hidden = model.base_model(input_ids=ids).last_hidden_state
+            # positions needed per row: the last max(len(target)) ones before its padding
+            span = [max(len(t) for t in targets[i]) for i in rows]
+            sel = torch.cat([hidden[r, lengths[i] - n: lengths[i]] for r, (i, n) in enumerate(zip(rows, span))])
+            logp = torch.log_softmax(model.get_output_embeddings()(sel).float(), dim=-1)
+            starts = torch.tensor([0] + span).cumsum(0).tolist()
+            per_row = [logp[starts[r]: starts[r + 1]] for r in range(len(rows))]
+        else:
+            logits = model(input_ids=ids).logits
+            per_row = [torch.log_softmax(logits[r, :lengths[i]].float(), dim=-1) for r, i in enumerate(rows)]
+        for r, i in enumerate(rows):
+            lp = per_row[r]
+            for t in targets[i]:
+                pos = lp[lp.shape[0] - len(t):]
+                out[i].append(float(pos.gather(1, torch.tensor(t).unsqueeze(1)).sum()))
+    return out
+
+
+def score_hf(folder: str, tasks: list[Task], batch_tokens: int = 16384) -> dict[str, dict]:
+    """Per task: {"metrics": task_metrics(...), "item_ids", "logliks": per item per candidate summed
+    continuation log-probs, "n_tokens": per item per candidate continuation token counts}."""
+    model, tok, eos, max_length = load_hf(folder)
+    # One model input per distinct token row; each request points to (row, which of its targets).
+    rows: dict[tuple, int] = {}
+    inputs: list[list[int]] = []
+    targets: list[list[list[int]]] = []
+    where: list[tuple[int, int, int, int, int]] = []  # (task, item, candidate, row, target in row)
+    encoded = []
+    for ti, task in enumerate(tasks):
+        enc = encode_items(tok, task.items, max_length, eos)
+        encoded.append(enc)
+        for ii, cands in enumerate(enc):
+            for ci, c in enumerate(cands):
+                whole = c.context + c.continuation
+                if len(c.continuation) >= len(whole):
+                    raise ValueError(f"task {task.name} item {task.items[ii].item_id}: continuation of "
+                                     f"{len(c.continuation)} tokens does not fit in {max_length} positions")
+                key = tuple(whole[:-1])
+                if key not in rows:
+                    rows[key] = len(inputs)
+                    inputs.append(list(key))
+                    targets.append([])
+                r = rows[key]
+                where.append((ti, ii, ci, r, len(targets[r])))
+                targets[r].append(c.continuation)
+    scores = _score_inputs(model, inputs, targets, eos, batch_tokens)
+    logliks = [[[0.0] * len(cands) for cands in enc] for enc in encoded]
+    for ti, ii, ci, r, k in where:
+        logliks[ti][ii][ci] = scores[r][k]
+    out = {}
+    for ti, task in enumerate(tasks):
+        n_tokens = [[len(c.continuation) for c in cands] for cands in encoded[ti]]
+        out[task.name] = {"metrics": task_metrics(task.items, logliks[ti], n_tokens),
+                          "item_ids": [it.item_id for it in task.items], "logliks": logliks[ti], "n_tokens": n_tokens}
+    return out

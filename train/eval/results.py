@@ -1,0 +1,144 @@
+"""`train eval` around the worker: which checkpoints and config, torchrun, results as one JSON per
+checkpoint in RUN_DIR/eval/, and the table (one row per checkpoint, one column per task).
+
+A checkpoint's config is its run's `config.yaml` (RUN_DIR/checkpoints/step_N → RUN_DIR/config.yaml),
+with `--set` overrides on top (e.g. `parallel.tp=2`: evaluation reshards on load); without a run
+config, the model shape, precision and sequence length recorded in the checkpoint manifest are used.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import fsspec
+
+from storage import config as cfgmod
+from storage.config import ConfigError
+from train.checkpoint import layout
+from train.config import TrainConfig
+
+
+def run_dir_of(path: str) -> Path | None:
+    """The run directory holding `path` (itself, or a checkpoint two levels below), if it has config.yaml."""
+    p = Path(path).resolve()
+    for cand in (p, p.parent.parent):
+        if (cand / "config.yaml").is_file():
+            return cand
+    return None
+
+
+def checkpoints(path: str, every: bool) -> list[str]:
+    """A checkpoint folder itself, or a run dir's checkpoints (newest only unless `every`)."""
+    p = Path(path).resolve()
+    if (p / layout.MANIFEST).is_file():
+        return [str(p)]
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    fs = fsspec.filesystem("file")
+    names = [c.name for c in layout.list_checkpoints(fs, str(root))]
+    if not names:
+        raise ConfigError(f"{path}: no checkpoints (give a step_… folder or a run directory)")
+    return [str(root / n) for n in (names if every else names[-1:])]
+
+
+def resolve_config(ckpt: str, config_path: str | None, overrides: list[str]) -> TrainConfig:
+    run_dir = run_dir_of(ckpt)
+    path = config_path or (str(run_dir / "config.yaml") if run_dir else None)
+    if path:
+        return cfgmod.load(TrainConfig, path, overrides)
+    meta = layout.read_manifest(fsspec.filesystem("file"), ckpt).get("meta") or {}
+    if "model" not in meta:
+        raise ConfigError(f"{ckpt}: no run config.yaml beside it and no model recorded in its manifest; "
+                          "give --config")
+    sets = [f"model.{k}={json.dumps(v)}" for k, v in meta["model"].items()]
+    sets += [f"precision={meta.get('precision', 'fp32')}", f"data.seq_len={meta.get('seq_len', 256)}",
+             "debug.synthetic_data=true"]
+    if meta.get("tokenizer"):
+        ds = os.path.dirname(meta["tokenizer"])
+        if os.path.isfile(os.path.join(ds, "manifest.json")):
+            sets += [f"data.dataset={ds}", "debug.synthetic_data=false"]
+    return cfgmod.load(TrainConfig, None, sets + list(overrides))
+
+
+def checkpoint_tokenizer(cfg: TrainConfig, ckpt: str) -> str | None:
+    """The tokenizer the benchmarks are encoded with: the dataset's, else the one the checkpoint recorded."""
+    if cfg.data.dataset and not cfg.debug.synthetic_data:
+        from storage import fs
+        from storage.manifest import read_manifest
+
+        return fs.join(cfg.data.dataset, read_manifest(cfg.data.dataset).tokenizer.file)
+    return (layout.read_manifest(fsspec.filesystem("file"), ckpt).get("meta") or {}).get("tokenizer")
+
+
+def launch(ckpts: list[str], cfg: TrainConfig, out_dir: str, nproc: int, tokenizer: str | None = None) -> int:
+    """Validate, then run the worker under torchrun (standalone, nproc processes)."""
+    cfg.check_world(nproc)
+    cfg.validate()
+    tok = tokenizer or checkpoint_tokenizer(cfg, ckpts[0])
+    if cfg.eval.tasks and not tok:
+        raise ConfigError("key 'eval.tasks': no tokenizer known for this checkpoint; give --tokenizer")
+    cfg.eval.load_tasks()
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="eval-", dir=out_dir)
+    cfg_path = os.path.join(tmp, "config.yaml")
+    cfgmod.save(cfg, cfg_path)
+    spec = os.path.join(tmp, "spec.json")
+    with open(spec, "w") as f:
+        json.dump({"config": cfg_path, "checkpoints": ckpts, "out_dir": out_dir, "tokenizer": tok}, f)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "train.eval.run", spec]
+    print("+ " + shlex.join(cmd), flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        return subprocess.call(cmd, env=env)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_result(out_dir: str, rec: dict) -> str:
+    from storage.fs import atomic_write_bytes
+
+    path = os.path.join(out_dir, f"{rec['checkpoint']}.json")
+    atomic_write_bytes(path, json.dumps(rec, indent=1).encode())
+    return path
+
+
+def read_results(run_dir: str) -> list[dict]:
+    folder = Path(run_dir) / "eval"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no evaluation results (run `train eval {run_dir} --all` first)")
+    recs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    return sorted(recs, key=lambda r: r["step"])
+
+
+def table(run_dir: str, metric: str = "acc_norm") -> str:
+    """One row per checkpoint: step, tokens, validation loss and bpb, then `metric` for every task."""
+    recs = read_results(run_dir)
+    tasks = sorted({t for r in recs for t in r.get("tasks", {})})
+    head = ["checkpoint", "step", "tokens", "val loss", "val bpb"] + tasks + ([f"mean {metric}"] if tasks else [])
+    rows = []
+    for r in recs:
+        m = r["metrics"]
+        vals = [r["tasks"][t]["metrics"].get(metric) if t in r.get("tasks", {}) else None for t in tasks]
+        known = [v for v in vals if v is not None]
+        row = [r["checkpoint"], str(r["step"]), f"{r.get('consumed_tokens', 0):,}",
+               _f(m.get("val/all/loss"), 4), _f(m.get("val/all/bpb"), 3)] + [_f(v, 3) for v in vals]
+        if tasks:
+            row.append(_f(sum(known) / len(known), 3) if known else "-")
+        rows.append(row)
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+              for row in rows]
+    return "\n".join(lines) + f"\n({metric}; chance level is 1 / number of choices: 0.25 for 4, 0.5 for 2)"
+
+
+def _f(v, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
