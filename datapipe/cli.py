@@ -32,7 +32,7 @@ def build(cfg, config_path, workers, fresh, dry_run, quiet) -> None:
         from datapipe.demo import demo_config
 
         click.echo(f"no sources configured: building the embedded demo corpus into {cfg.output}", err=True)
-        cfg = demo_config(cfg.output)
+        cfg = demo_config(cfg.output, base=cfg)
     try:
         b = Build(cfg, workers=workers, fresh=fresh)
     except (FileNotFoundError, KeyError, ConfigError, ValueError) as e:

@@ -7,6 +7,7 @@ Harvested at run time from what every Python install has, so the repository ship
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import sysconfig
@@ -49,8 +50,10 @@ def _topics() -> list[dict]:
     return [{"id": k, "text": v} for k, v in sorted(topics.items())]
 
 
-def demo_config(output: str, limit: int = 400) -> BuildConfig:
-    """Write the demo corpus under OUTPUT/_demo_input and return a build config over it."""
+def demo_config(output: str, limit: int = 400, base: BuildConfig | None = None) -> BuildConfig:
+    """Write the demo corpus under OUTPUT/_demo_input and return a build config over it: `base` (the
+    command line's config, e.g. `--set validation.fraction=0.02`) with the demo's sources, and its
+    tokenizer and mix where `base` leaves them at their defaults."""
     src_dir = os.path.join(output, "_demo_input")
     os.makedirs(src_dir, exist_ok=True)
     for name, docs in (("stdlib", _stdlib_docs(limit)), ("topics", _topics())):
@@ -59,11 +62,13 @@ def demo_config(output: str, limit: int = 400) -> BuildConfig:
     relaxed = [FilterSpec("gopher_quality", {"min_doc_words": 20, "max_non_alpha_words_ratio": 0.5}),
                FilterSpec("fineweb", {"line_punct_thr": 0.05, "short_line_thr": 0.9, "char_duplicates_ratio": 0.2,
                                       "new_line_ratio": 0.5})]
-    return BuildConfig(
-        output=output,
+    base = base or BuildConfig()
+    return dataclasses.replace(
+        base, output=output,
         sources=[SourceConfig("stdlib", [os.path.join(src_dir, "stdlib.jsonl")], filters=relaxed),
                  SourceConfig("topics", [os.path.join(src_dir, "topics.jsonl")], filters=relaxed)],
-        tokenizer=TokenizerConfig(vocab_size=4096),
-        mix=MixConfig(phases=[PhaseSpec("stable", {"stdlib": 0.7, "topics": 0.3}, fraction=0.8),
-                              PhaseSpec("decay", {"stdlib": 0.5, "topics": 0.5}, fraction=0.2)]),
+        tokenizer=TokenizerConfig(vocab_size=4096) if base.tokenizer == TokenizerConfig() else base.tokenizer,
+        mix=base.mix if base.mix.phases else MixConfig(phases=[
+            PhaseSpec("stable", {"stdlib": 0.7, "topics": 0.3}, fraction=0.8),
+            PhaseSpec("decay", {"stdlib": 0.5, "topics": 0.5}, fraction=0.2)]),
     )

@@ -1,5 +1,6 @@
-"""`make demo`: raw text → dataset → TP=2 training with async checkpoints → resume → HF export →
-generation → storage bench, on the embedded corpus, printing where every output lies.
+"""`make demo`: raw text → dataset (with a held-out split) → TP=2 training with in-loop evaluation and
+async checkpoints → resume → eval of every checkpoint → HF export → generation → storage bench, on the
+embedded corpus, printing where every output lies.
 
     python -m tools.demo [--out demo-out] [--steps 240]
 """
@@ -61,27 +62,36 @@ def main() -> None:
     first = args.steps * 2 // 3
     sets = ["--set", f"data.dataset={data}", "--set", f"run_dir={run}", "--set", f"steps={args.steps}"]
     t0 = time.time()
-    step("1/6 datapipe build: embedded corpus → filtered, deduplicated, tokenized shards (2 sources, 2 phases)",
-         [str(BIN / "datapipe"), "build", "--set", f"output={data}", "--workers", "2"])
+    step("1/7 datapipe build: embedded corpus → filtered, deduplicated, tokenized shards (2 sources, 2 phases, "
+         "5 % held out for validation)",
+         [str(BIN / "datapipe"), "build", "--set", f"output={data}", "--set", "validation.fraction=0.05",
+          "--workers", "2"])
     step("storage verify: every shard's sha256, frames and counts", [str(BIN / "storage"), "verify", str(data)])
-    step(f"2/6 train launch: tiny Llama, TP=2 on 2 CPU processes, steps 0 → {first}, async checkpoints",
+    step(f"2/7 train launch: tiny Llama, TP=2 on 2 CPU processes, steps 0 → {first}, async checkpoints, "
+         "validation loss + benchmarks every 150 steps",
          [str(BIN / "train"), "launch", "configs/demo.yaml", "--nproc", "2", *sets, "--set", f"stop_at={first}"])
-    step(f"3/6 train launch again: auto-resumes from the newest checkpoint, steps {first} → {args.steps}",
+    step(f"3/7 train launch again: auto-resumes from the newest checkpoint, steps {first} → {args.steps}",
          [str(BIN / "train"), "launch", "configs/demo.yaml", "--nproc", "2", *sets])
-    step("train plot: loss, grad norm, LR, tokens/s", [str(BIN / "train"), "plot", str(run)])
+    step("train plot: loss, grad norm, LR, tokens/s (metrics.png); validation loss and benchmarks (eval.png)",
+         [str(BIN / "train"), "plot", str(run)])
+    step("4/7 train eval --all: every checkpoint, validation loss and the three benchmarks (TP=1 here: "
+         "resharded on load)", [str(BIN / "train"), "eval", str(run), "--all"])
+    step("train eval --table: which checkpoint is best (a tiny model stays near chance: 0.25 for 4 choices, "
+         "0.5 for 2; the validation loss shows the learning)", [str(BIN / "train"), "eval", "--table", str(run)])
     ckpt = newest_checkpoint(run / "checkpoints")
     step("train ckpt list", [str(BIN / "train"), "ckpt", "list", str(run / "checkpoints")])
-    step(f"4/6 train ckpt export: {ckpt.name} → Hugging Face Llama folder",
+    step(f"5/7 train ckpt export: {ckpt.name} → Hugging Face Llama folder",
          [str(BIN / "train"), "ckpt", "export", str(ckpt), str(hf)])
-    print("\n=== 5/6 transformers: greedy generation from the export", flush=True)
+    print("\n=== 6/7 transformers: greedy generation from the export", flush=True)
     for prompt in ("The ", "def "):
         print(f"  {prompt!r} → {generate(hf, prompt)!r}", flush=True)
-    step("6/6 storage bench --quick on the run directory",
+    step("7/7 storage bench --quick on the run directory",
          [str(BIN / "storage"), "bench", "--quick", str(run), "--out", str(bench)])
     print(f"\nDone in {time.time() - t0:.0f} s. Outputs:")
     print(f"  dataset + build report   {data}  (manifest.json; `datapipe report {data}`)")
     print(f"  training run             {run}  (metrics.jsonl, TensorBoard events, config.yaml)")
-    print(f"  loss plot                {run / 'metrics.png'}")
+    print(f"  loss plot, eval plot     {run / 'metrics.png'}, {run / 'eval.png'}")
+    print(f"  evaluation results       {run / 'eval'}  (`train eval --table {run}`)")
     print(f"  checkpoints              {run / 'checkpoints'}")
     print(f"  Hugging Face export      {hf}")
     print(f"  storage table + plots    {bench}  (bench.json, *.png)")
