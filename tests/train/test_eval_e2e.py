@@ -115,6 +115,14 @@ def test_same_numbers_under_every_layout_and_parity_with_lm_eval(run):
             assert max(abs(a - b) for a, b in zip(flat_ours, flat_ref)) < 1e-4, (task, name)
             assert ours["metrics"]["acc"] == ref["acc"] and ours["metrics"]["acc_norm"] == ref["acc_norm"]
     assert n_items >= 200
+    # `train eval --hf` on the same folder: the transformers backend gives the Megatron numbers too
+    r = _cli("train.cli", "eval", "--hf", str(run / "hf"), "--tasks", "piqa", "--limit", "10", "--out",
+             str(run / "hf_eval.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    hf = json.loads((run / "hf_eval.json").read_text())["tasks"]["piqa"]
+    ours = dict(zip(layouts["tp2"]["tasks"]["piqa"]["item_ids"], layouts["tp2"]["tasks"]["piqa"]["logliks"]))
+    for item_id, ll in zip(hf["item_ids"], hf["logliks"]):
+        assert ll == pytest.approx(ours[item_id], abs=1e-4)
 
 
 def test_table_and_plot(run):
