@@ -219,7 +219,7 @@ class Scorer:
             raise RuntimeError(f"scorer: {len(missing)} rows without a result (first: {missing[0]})")
         return [merged[i] for i in range(len(rows))]
 
-    def _run(self, rows: list[Row], box: list) -> list[np.ndarray] | None:
+    def _run(self, rows: list[Row], box: dict) -> list[np.ndarray] | None:
         """One batch through the pipeline; per-row float32 log-probs on the last stage, else None."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
