@@ -61,7 +61,7 @@ class MinhashSettings:
     hash_bits: Literal[32, 64] = 64
     hash_fc: Literal["xxhash", "sha1"] = "xxhash"
     seed: int = 1
-    fast_signatures: bool = True  # our vectorised signature step (same signatures as datatrove's)
+    fast_signatures: bool = True  # our signature step: faster shingling, same signatures as datatrove's
 
     def validate(self) -> None:
         if self.n_grams < 1 or self.bands < 1 or self.rows < 1:

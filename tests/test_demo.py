@@ -3,11 +3,13 @@
 CLIs."""
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from testutil import REPO
 
@@ -25,8 +27,7 @@ def test_demo_runs_end_to_end(tmp_path):
     steps = [json.loads(line)["step"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
              if '"loss"' in line]
     assert steps[-1] == 30 and 20 in steps
-    for f in ("model.safetensors", "config.json", "tokenizer.json"):
-        assert (out / "hf" / f).exists(), f
+    _check_export(out / "hf", out / "data", manifest)
     assert (out / "run" / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "run" / "eval.png").read_bytes()[:4] == b"\x89PNG"
     evals = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
@@ -38,5 +39,43 @@ def test_demo_runs_end_to_end(tmp_path):
     assert [row[:2] for row in table] == [["step_00000020", "20"], ["step_00000030", "30"]]
     res30 = json.loads((out / "run" / "eval" / "step_00000030.json").read_text())
     assert float(table[1][3]) == pytest.approx(res30["metrics"]["val/all/loss"], abs=1e-4)
-    assert json.loads((out / "storage" / "bench.json").read_text())
-    assert "→" in res.stdout and "Outputs:" in res.stdout
+    # 6/7: greedy generation from the export continues each prompt
+    gens = {ast.literal_eval(a): ast.literal_eval(b) for a, b in
+            (ln.strip().split(" → ", 1) for ln in res.stdout.splitlines() if ln.startswith("  '") and " → " in ln)}
+    assert sorted(gens) == ["The ", "def "] and all(len(g) > len(p) for p, g in gens.items()), gens
+    # 7/7: the storage bench measured the run directory
+    bench = json.loads((out / "storage" / "bench.json").read_text())
+    (t,) = bench["targets"]
+    assert t["target"] == str(out / "run") and t["kind"] == "local"
+    reads = [p for p in t["results"] if p["test"] == "seq_read"]
+    assert reads and all(p["ops"] > 0 and p["gib_per_s"] > 0 for p in reads)
+    assert "Outputs:" in res.stdout
+
+
+def _check_export(hf, data, manifest):
+    """The HF folder holds the trained model's shape (the demo config's preset, the dataset's vocabulary),
+    weights shaped as its config.json says, and the dataset's own tokenizer and EOS."""
+    from safetensors import safe_open
+
+    from train.models import ModelConfig
+
+    config = json.loads((hf / "config.json").read_text())
+    assert (hf / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()
+    assert config["eos_token_id"] == manifest["tokenizer"]["eos_id"]
+    preset = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["model"]["preset"]
+    m = ModelConfig(preset=preset).resolved()
+    assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["intermediate_size"], config["rope_theta"]) == (
+        "llama", m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.ffn_hidden_size, m.rope_theta)
+    assert config["vocab_size"] >= manifest["tokenizer"]["vocab_size"]
+    assert config["smoltrain_checkpoint"]["step"] == 30
+    h, d = config["hidden_size"], config["hidden_size"] // config["num_attention_heads"]
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes["model.embed_tokens.weight"] == [config["vocab_size"], h]
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        assert shapes[layer + "self_attn.q_proj.weight"] == [config["num_attention_heads"] * d, h]
+        assert shapes[layer + "self_attn.k_proj.weight"] == [config["num_key_value_heads"] * d, h]
+        assert shapes[layer + "mlp.gate_proj.weight"] == [config["intermediate_size"], h]
+    assert not any(k.startswith(f"model.layers.{config['num_hidden_layers']}.") for k in shapes)

@@ -3,8 +3,10 @@ killable subprocess runs."""
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from storage.dataset import SourceWriter
@@ -21,11 +24,46 @@ REPO = Path(__file__).resolve().parents[1]
 CORPORA = REPO.parent / "shared" / "corpora"
 
 
+CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def unavailable(what: str, fix: str, installed_here: bool = True):
+    """The one place that decides what a missing test prerequisite means (`require`, `require_tool`,
+    `corpus_path` call it). Under CI (env CI=true) a prerequisite that `make test` provides (a dev
+    dependency, a stock tool of `make sysdeps`, the corpora) must be there: the test fails, naming it and
+    the fix. Elsewhere, or where the install does not provide it (`installed_here` False: e.g. DALI off
+    Linux x86_64), the test is skipped with the same words. What a machine truly lacks (CUDA) stays a
+    plain skip at the test."""
+    if CI and installed_here:
+        pytest.fail(f"CI: {what}: {fix}", pytrace=False)
+    pytest.skip(f"{what} ({fix})", allow_module_level=True)
+
+
+def require(module: str, installed_here: bool = True):
+    """Import and return `module`, a dev dependency (`pip install -e '.[dev]'`, which `make install`
+    runs); see `unavailable` for what happens when it does not import. Usable at module level."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        why = f"{type(e).__name__}: {e}"
+    unavailable(f"dev dependency {module} is not installed ({why})", "run make install", installed_here)
+
+
+def require_tool(name: str) -> str:
+    """Path of a stock command-line tool the tests compare against (lz4, fio). `make test` runs `make
+    sysdeps`, which installs it where it can (as root, with apt-get): there it must be present under CI."""
+    path = shutil.which(name)
+    if path is None:
+        unavailable(f"tool {name} is not installed", "run make sysdeps",
+                    installed_here=os.geteuid() == 0 and shutil.which("apt-get") is not None)
+    return path
+
+
 def corpus_path(name: str) -> Path:
-    """../shared/corpora/NAME.jsonl.gz beside the repo (skips the test when the corpora are absent)."""
+    """../shared/corpora/NAME.jsonl.gz beside the repo; see `unavailable` for when it is absent."""
     p = CORPORA / f"{name}.jsonl.gz"
     if not p.exists():
-        pytest.skip(f"corpus {p} is absent (expected at <repo>/../shared/corpora)")
+        unavailable(f"corpus {p} is absent", "the corpora are expected at <repo>/../shared/corpora")
     return p
 
 
@@ -78,9 +116,13 @@ def free_port() -> int:
 
 
 def run_killable(cmd: list[str], log, kill_when=None, timeout: float = 400, env: dict | None = None):
-    """Run cmd in its own process group, output appended to `log`; when kill_when() turns True,
-    kill -9 the whole group (torchrun and its workers) and return "killed", else the exit code.
-    Leftover processes of the group (e.g. checkpoint writer helpers) are killed either way."""
+    """Run cmd in its own process group, output appended to `log`, and return its exit code. With
+    `kill_when`: when kill_when() turns True, kill -9 the process, its group and every descendant (torchrun
+    starts each worker in a session of its own, out of reach of the group kill), as a machine failure
+    would, and return "killed" only if the process really died of that SIGKILL (exit status -9); if it
+    finished by itself first (kill_when never turned True while it ran, or turned True too late), return
+    "finished before the kill (exit status N)", so a caller's `== "killed"` fails saying why. Leftover
+    processes of the group (e.g. checkpoint writer helpers) are killed either way."""
     with open(log, "a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
@@ -90,16 +132,39 @@ def run_killable(cmd: list[str], log, kill_when=None, timeout: float = 400, env:
             deadline = time.time() + timeout
             while p.poll() is None and time.time() < deadline:
                 if kill_when is not None and kill_when():
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                    return "killed"
+                    _kill_tree(p.pid)
+                    rc = p.wait()
+                    return "killed" if rc == -signal.SIGKILL else _finished_first(out, rc)
                 time.sleep(0.01)
-            return p.wait(timeout=1)
+            rc = p.wait(timeout=1)
+            return rc if kill_when is None else _finished_first(out, rc)
         finally:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL process `pid`, its process group and all its descendants, found before any of them dies."""
+    try:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for proc in tree:
+        try:
+            proc.kill()  # psutil checks that the pid still names the same process
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _finished_first(out, rc: int) -> str:
+    out.write(f"\n[run_killable: the process finished by itself (exit status {rc}) before any kill]\n")
+    return f"finished before the kill (exit status {rc})"
 
 
 def metric_records(run_dir) -> list[dict]:

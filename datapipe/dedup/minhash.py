@@ -1,9 +1,12 @@
 """MinHash near-dedup on datatrove's four stages, with a faster signature step and priority-aware keeps.
 
 - `minhash_config` maps our settings (n-grams, bands × rows, hash width) onto datatrove's MinhashConfig.
-- `FastMinhashSignature` is datatrove's `MinhashDedupSignature` with the spaCy word split replaced by our
-  `FastWordTokenizer` and the per-document min computed in one vectorised pass; it writes the same
-  signature files (checked by tests and tools/bench/bench_dedup.py).
+- `FastMinhashSignature` is datatrove's `MinhashDedupSignature` with only the shingling replaced: our
+  `FastWordTokenizer` instead of spaCy's word split, and xxhash called directly on the joined n-grams.
+  The signature itself (the per-document minimum over the permuted shingle hashes) and the file writing
+  are datatrove's own code, unchanged. Wherever the two word splits agree it writes the same signature
+  files; tests/datapipe/test_datapipe_minhash.py and tools/bench/bench_dedup.py compare whole runs of both
+  steps, document for document.
 - datatrove's cluster stage keeps an arbitrary member of each cluster (union by size);
   `resolve_clusters` rewrites its `.remove` files so the member first in priority order is kept, and
   writes the clusters (ids) to a JSONL report.
@@ -33,7 +36,8 @@ def minhash_config(s: MinhashSettings) -> MinhashConfig:
 
 
 class FastMinhashSignature(MinhashDedupSignature):
-    """Same signatures as `MinhashDedupSignature(language="en")`, computed faster."""
+    """`MinhashDedupSignature(language="en")` with faster shingling: the same signature files wherever our
+    word split equals spaCy's."""
 
     name = "🎯 MinHash stage 1 (fast)"
 

@@ -1,6 +1,7 @@
 """End to end through `train launch` (torchrun, 2 gloo processes, DistributedOptimizer, real shard
-dataset): kill -9 the run at a random point, relaunch, and the loss / grad-norm / data trace after the
-auto-resume is bit-identical to an uninterrupted run."""
+dataset): kill -9 the run while an async checkpoint save is in flight (the save of a step drawn from a
+seeded RNG), relaunch, and the loss / grad-norm / data trace after the auto-resume is bit-identical to an
+uninterrupted run."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ from testutil import free_port, metric_records, run_killable, write_random_datas
 
 pytestmark = pytest.mark.slow
 TRAIN = os.path.join(os.path.dirname(sys.executable), "train")
+SEED = 20  # the kill point is drawn from it: a failure replays the same way
 
 
 def _config(tmp_path, run_dir, dataset):
@@ -47,26 +49,29 @@ def test_kill_9_and_auto_resume_is_bit_identical(tmp_path):
     ref = {r["step"]: r for r in _records(ref_dir)}
     assert sorted(ref) == list(range(1, 13))
 
-    kill_step = random.Random().randint(4, 8)
-    print(f"kill -9 at the first save in flight at or after step {kill_step}")
+    # saves every 2 steps (incremental_every 2, full_every 4): kill during the save of the first saved step
+    # at or after a step drawn from the seed, while its folder is still .tmp-step_* (written, not committed)
+    kill_step = random.Random(SEED).randint(4, 8)
+    save_step = kill_step + kill_step % 2
+    in_flight = f".tmp-step_{save_step:08d}"
+    print(f"seed {SEED}: kill -9 while the save of step {save_step} is in flight")
     ckpt = run_dir / "checkpoints"
-
-    def kill_when():
-        recs = _records(run_dir)
-        if not recs:
-            return False
-        step = recs[-1]["step"]
-        writing = ckpt.exists() and any(n.startswith(".tmp-step") for n in os.listdir(ckpt))
-        return (step >= kill_step and writing) or step >= kill_step + 3
     cfg = _config(tmp_path, run_dir, dataset)
-    assert _launch(cfg, tmp_path / "run.log", kill_when) == "killed"
-    mid_write = [n for n in os.listdir(ckpt) if n.startswith(".tmp-step")] if ckpt.exists() else []
-    print(f"killed at step {_records(run_dir)[-1]['step']}; save in flight: {mid_write or 'none'}")
+    killed = _launch(cfg, tmp_path / "run.log", lambda: ckpt.exists() and in_flight in os.listdir(ckpt))
+    assert killed == "killed", f"the save of step {save_step} was never seen in flight: {killed}"
+    # the kill landed mid-save: the save's folder was never committed (renamed), nothing later was saved
+    assert (ckpt / in_flight).is_dir() and not (ckpt / f"step_{save_step:08d}").exists(), sorted(os.listdir(ckpt))
+    assert not [n for n in os.listdir(ckpt) if n.startswith("step_") and int(n[5:]) > save_step]
+    print(f"killed at step {_records(run_dir)[-1]['step']}; in flight: "
+          f"{sorted(n for n in os.listdir(ckpt) if n.startswith('.tmp-step'))}")
     before = len(_records(run_dir))
     assert _launch(cfg, tmp_path / "run.log") == 0, (tmp_path / "run.log").read_text()[-5000:]
     log = (tmp_path / "run.log").read_text()
     resumed = _records(run_dir)[before:]
-    assert resumed and 0 < resumed[0]["step"] - 1 <= kill_step + 3, log[-3000:]
+    # the relaunch dropped the interrupted save and resumed from a committed checkpoint before it
+    assert f"removed incomplete checkpoint folder {ckpt / in_flight}" in log, log[-3000:]
+    assert resumed and 0 < resumed[0]["step"] - 1 < save_step, log[-3000:]
+    assert f"resumed at step {resumed[0]['step'] - 1}" in log
     for r in resumed:
         want = ref[r["step"]]
         assert (r["loss"], r["grad_norm"], r["consumed_tokens"]) == (want["loss"], want["grad_norm"],

@@ -10,6 +10,7 @@ import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
+from testutil import require
 
 from train.checkpoint import layout
 from train.checkpoint.offload import Offloader, pull_newest
@@ -64,8 +65,8 @@ def test_failed_upload_keeps_local_copies(tmp_path, s3_server):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
 def test_offload_resume_from_s3_and_export_to_transformers(tmp_path, s3_bucket):
+    require("transformers")
     spec = importlib.util.spec_from_file_location(  # the torchrun helper lives next to this file
         "ckpt_resume_helpers", os.path.join(os.path.dirname(__file__), "test_ckpt_resume.py"))
     helpers = importlib.util.module_from_spec(spec)

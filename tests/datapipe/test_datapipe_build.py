@@ -5,6 +5,7 @@ import filecmp
 import gzip
 import json
 import os
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +20,20 @@ from storage.manifest import read_manifest
 from storage.shards import iter_shard
 
 
+UNNORMALISED = {"id": "unnormalised", "text": (
+    "Cafe\u0301 owners\u00a0in the old town said on Monday\r\nthat the new\u2009menu would arrive soon.   \r\n"
+    "\r\n\r\n\r\n\u200bThe second paragraph\u3000has a few more words\x07 about coffee and tea.\u2028"
+    "A final line ends here.\ufeff \t\n\n")}
+
+
 def make_inputs(root: Path) -> dict[str, list[str]]:
     lic = read_corpus("licenses")
     fortunes = read_corpus("fortunes", 1200)
     pydoc = read_corpus("pydoc", 120)
-    # three license texts copied verbatim into web: exact duplicates across sources (lic has priority)
-    web = fortunes[:600] + [{"id": f"copy-{d['id']}", "text": d["text"]} for d in lic[:3]] + fortunes[600:]
+    # three license texts copied verbatim into web: exact duplicates across sources (lic has priority),
+    # and one document that every normalisation rule changes
+    web = fortunes[:600] + [{"id": f"copy-{d['id']}", "text": d["text"]} for d in lic[:3]] + [UNNORMALISED] \
+        + fortunes[600:]
     return {
         "lic": [write_jsonl(root / "lic" / "licenses.jsonl", lic)],
         "docs": [write_jsonl(root / "docs" / "pydoc.jsonl", pydoc)],
@@ -57,15 +66,32 @@ def _jsonl(path) -> list[dict]:
     return [json.loads(x) for x in Path(path).read_text().splitlines()]
 
 
-def _rejects(out: str) -> dict[str, int]:
+def _rejects(cfg: BuildConfig) -> dict[str, int]:
+    """Reject records per folder. Each names its source and lies in the folder of a stage that can drop
+    that source's documents: one of the source's own filters (`<index>_<type>`, with the filter's reason),
+    or exact / near dedup (then it is a removed member of a reported cluster), or read / normalize."""
+    chains = {s.name: [f.type for f in (cfg.default_filters if s.filters is None else s.filters)]
+              for s in cfg.sources}
+    removed = {stage: {r for c in _jsonl(os.path.join(cfg.output, "dedup", f"{report}_clusters.jsonl"))
+                       for r in c["removed"]} for stage, report in (("exact_dup", "exact"), ("near_dup", "near_dup"))}
     counts: dict[str, int] = {}
-    for p in sorted(Path(out, "rejects").rglob("*.jsonl.gz")):
+    for p in sorted(Path(cfg.output, "rejects").rglob("*.jsonl.gz")):
+        stage = p.parent.name
         with gzip.open(p, "rt") as f:
             for line in f:
                 d = json.loads(line)
-                key = d["metadata"].get("filter") or p.parent.name
-                counts[p.parent.name] = counts.get(p.parent.name, 0) + 1
-                assert key
+                src, meta = d["metadata"]["source"], d["metadata"]
+                assert src in chains and d["id"].startswith(f"{src}/"), (stage, d["id"], src)
+                if stage in removed:
+                    assert d["id"] in removed[stage], f"{d['id']} rejected as {stage} but in no {stage} cluster"
+                elif stage in ("read", "normalize"):
+                    assert meta.get("filter_reason"), (stage, d["id"])
+                else:
+                    index, _, kind = stage.partition("_")
+                    assert index.isdigit() and int(index) < len(chains[src]) and chains[src][int(index)] == kind, \
+                        f"{d['id']} of source {src} (filters {chains[src]}) rejected by {stage}"
+                    assert meta.get("filter_reason"), (stage, d["id"])
+                counts[stage] = counts.get(stage, 0) + 1
     return counts
 
 
@@ -79,7 +105,7 @@ def test_every_document_is_in_a_shard_or_in_rejects(built):
             src.documents + st["validation_documents"], (name, st)
     n_in = sum(len(Path(p).read_text().splitlines()) for ps in inputs.values() for p in ps)
     assert m.build_stats["read"] == n_in
-    rejects = _rejects(cfg.output)
+    rejects = _rejects(cfg)
     filter_drops = sum(v for k, v in m.build_stats.items() if k.startswith("dropped_") and ":" not in k)
     assert sum(rejects.values()) == filter_drops + m.build_stats["exact_duplicates"] + m.build_stats["near_duplicates"]
     assert rejects.get("exact_dup", 0) == m.build_stats["exact_duplicates"]
@@ -105,24 +131,70 @@ def test_license_pairs_near_dedup(built):
     assert {"kept": "lic/licenses/GFDL-1.2", "removed": ["lic/licenses/GFDL-1.3"]} in clusters
 
 
-def test_decoded_shards_give_back_kept_texts(built):
-    cfg, _, root = built
-    kept = {}
-    for p in sorted(Path(root, "out", "_work", "deduped").glob("*.jsonl")):
-        for d in _jsonl(p):
-            kept[d["id"]] = d["text"]
+def _plain_normalise(text: str) -> str:
+    """The build's default normalisation (NormalizeConfig, docs/datapipe.md), written independently of
+    datapipe.normalize: NFC; CR LF, CR and U+2028 become a newline, U+2029 a blank line; control characters
+    (but tab and newline), U+200B and U+FEFF go; every other space character becomes a space; spaces and
+    tabs at line ends go; at most one blank line in a row; no leading or trailing whitespace."""
+    text = unicodedata.normalize("NFC", text)
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\u2028", "\n").replace("\u2029", "\n\n")
+    text = "".join(c for c in text if c in "\t\n" or (unicodedata.category(c) != "Cc" and c not in "\u200b\ufeff"))
+    text = "".join(" " if unicodedata.category(c) == "Zs" else c for c in text)
+    lines, blank = [], 0
+    for line in text.split("\n"):
+        line = line.rstrip(" \t")
+        blank = blank + 1 if not line else 0
+        if blank < 2:
+            lines.append(line)
+    return "\n".join(lines).strip()
+
+
+def _is_subsequence(part: list[str], whole: list[str]) -> bool:
+    it = iter(whole)
+    return all(any(x == y for y in it) for x in part)
+
+
+def test_decoded_shards_give_back_normalised_inputs(built):
+    """Every document in the shards decodes to its input text (read straight from the input files) after
+    the normalisation: a bug in reading or normalising the input cannot hide on both sides. The C4 filter
+    of `docs`' FineWeb chain also drops short lines (and strips the rest): there the decoded lines must be
+    lines of the normalised input, in order."""
+    cfg, inputs, _ = built
+    rewrites_lines = {s.name for s in cfg.sources
+                      if "c4" in [f.type for f in (cfg.default_filters if s.filters is None else s.filters)]}
+    assert rewrites_lines == {"docs"}
+    given = {}
+    for src, paths in inputs.items():
+        for path in paths:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    rec = json.loads(line)
+                    given[f"{src}/{rec['id']}"] = rec["text"]
     m = read_manifest(cfg.output)
     tok = load_tokenizer(os.path.join(cfg.output, "tokenizer.json"))
-    seen = 0
-    for src in m.sources.values():
+    seen, changed = set(), 0
+    for name, src in m.sources.items():
         for sh in src.shards:
             for blk in iter_shard(os.path.join(cfg.output, sh.path), expected_sha256=sh.sha256):
                 for i, doc_id in enumerate(blk.doc_ids):
                     toks = blk.tokens[blk.offsets[i]:blk.offsets[i + 1]]
                     assert toks[-1] == m.tokenizer.eos_id
-                    assert tok.decode(toks[:-1].tolist(), skip_special_tokens=False) == kept[doc_id]
-                    seen += 1
-    assert seen == sum(s.documents for s in m.sources.values()) > 0
+                    want = _plain_normalise(given[doc_id])
+                    text = tok.decode(toks[:-1].tolist(), skip_special_tokens=False)
+                    if name in rewrites_lines:
+                        lines = text.split("\n")
+                        assert all(lines) and _is_subsequence(lines, [x.strip() for x in want.split("\n")]), doc_id
+                    else:
+                        assert text == want, doc_id
+                    seen.add(doc_id)
+                    changed += want != given[doc_id]
+    assert len(seen) == sum(s.documents for s in m.sources.values()) > 0
+    # the normalisation was exercised: the crafted document and corpus ones differ from their input
+    assert f"web/{UNNORMALISED['id']}" in seen
+    assert changed >= 10, changed
+    assert _plain_normalise(UNNORMALISED["text"]) == (
+        "Café owners in the old town said on Monday\nthat the new menu would arrive soon.\n\n"
+        "The second paragraph has a few more words about coffee and tea.\nA final line ends here.")
 
 
 def test_mix_and_manifest(built):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from testutil import read_corpus, write_jsonl
+from testutil import read_corpus, require, write_jsonl
 
 from datapipe.cli import main
 from datapipe.config import BuildConfig, MixConfig, PhaseSpec, SourceConfig, TokenizerConfig
@@ -130,7 +130,7 @@ def test_slurm_dry_run_writes_chained_sbatch_scripts(tmp_path, small_tokenizer):
 
 @pytest.mark.slow
 def test_ray_executor_equals_local(tmp_path, small_tokenizer):
-    ray = pytest.importorskip("ray")
+    ray = require("ray")
     srcs = [write_jsonl(tmp_path / f"in{i}.jsonl", read_corpus("fortunes", 200, start=200 * i)) for i in range(2)]
     outs = {}
     for kind in ("local", "ray"):

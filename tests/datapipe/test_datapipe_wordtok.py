@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pickle
 
-import pytest
-from testutil import read_corpus
+from testutil import read_corpus, require
 from datatrove.data import Document
 from datatrove.pipeline.filters import GopherRepetitionFilter
 
@@ -29,7 +28,7 @@ def _keep(filters, text: str) -> bool:
 
 
 def test_tokens_match_spacy():
-    pytest.importorskip("spacy")
+    require("spacy")
     from datatrove.utils.word_tokenizers import load_word_tokenizer
 
     spacy_tok = load_word_tokenizer("en")
@@ -39,7 +38,7 @@ def test_tokens_match_spacy():
 
 
 def test_sentence_counts_match_spacy():
-    pytest.importorskip("spacy")
+    require("spacy")
     from datatrove.utils.word_tokenizers import load_word_tokenizer
 
     spacy_tok, fast = load_word_tokenizer("en"), FastWordTokenizer()
@@ -49,7 +48,7 @@ def test_sentence_counts_match_spacy():
 
 
 def test_keep_decisions_agree_with_spacy_chain(tmp_path):
-    pytest.importorskip("spacy")
+    require("spacy")
     fast = [build_filter(s, FastWordTokenizer(), str(tmp_path), i) for i, s in enumerate(fineweb_filters())]
     slow = [_CLASSES[s.type](language="en", **s.params) for s in fineweb_filters()]
     assert isinstance(fast[0], FastGopherRepetitionFilter)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from storage.dataset import Dataset
 from storage.shard_writer import ShardWriter
 from storage.shards import ShardError, ShardReader, iter_shard, scan_index
 
-from testutil import REPO, write_random_dataset
+from testutil import REPO, require_tool, write_random_dataset
 
 
 def _docs(rng, n, vocab):
@@ -76,8 +75,7 @@ def test_stock_tar_lists_shard(shard):
 
 
 def test_stock_lz4_decodes_member(shard, tmp_path):
-    if shutil.which("lz4") is None:
-        pytest.skip("stock lz4 binary not installed (make sysdeps installs it)")
+    require_tool("lz4")
     path, blocks, _ = shard
     with tarfile.open(path) as tar:
         payload = tar.extractfile("shard-000000_000002.tokens.lz4").read()

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
-import pytest
 from click.testing import CliRunner
 
 from storage.bench import fio
 from storage.cli import main
+from testutil import require_tool
 
 
 def test_job_args_match_our_points():
@@ -21,8 +20,8 @@ def test_job_args_match_our_points():
     assert "--end_fsync=1" in fio.job_args("/d/f", 64 << 20, "seq_write", "direct", 1, 1 << 20, 1)
 
 
-@pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed (make sysdeps / apt-get install fio)")
 def test_vs_fio_side_by_side(tmp_path):
+    require_tool("fio")
     target = tmp_path / "tier"
     target.mkdir()
     r = CliRunner().invoke(main, ["bench", str(target), "--quick", "--threads", "1,2", "--sizes", "1M",

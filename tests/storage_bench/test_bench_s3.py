@@ -11,8 +11,9 @@ from click.testing import CliRunner
 from storage.cli import main
 from storage.dataset import SourceWriter
 from storage.manifest import Manifest, TokenizerInfo, write_manifest
+from testutil import require
 
-moto_server = pytest.importorskip("moto.server")
+moto_server = require("moto.server")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ exported through the CLI; no training, no download (lm-eval runs offline)."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -16,11 +15,10 @@ import shutil
 import pytest
 import torch
 
-from testutil import read_corpus
+from testutil import read_corpus, require
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("lm_eval") is None,
-    reason="transformers and lm-eval are needed")
+require("transformers")
+require("lm_eval")
 
 EOS = "<|endoftext|>"
 SHAPE = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=96, vocab_size=1024,

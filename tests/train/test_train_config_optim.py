@@ -119,7 +119,14 @@ def test_estimate_1_7b_bf16():
     c = cfg(model={"preset": "1.7b"}, precision="bf16", data={"seq_len": 4096},
             parallel={"micro_batch_size": 4, "global_batch_size": 64})
     e = estimate(c, world=1)
-    assert e["params"] == 1_711_376_384
+    # SmolLM2-1.7B as published (its HF config: hidden 2048, 24 layers, 32 heads and 32 KV heads, MLP 8192,
+    # vocabulary 49,152, tied embeddings): q, k, v, o and gate, up, down per layer, the embedding once, and
+    # two RMSNorm weights per layer plus the final one: the published 1,711,376,384 parameters
+    h, L, f, V, s = 2048, 24, 8192, 49152, 4096
+    matmul = L * (4 * h * h + 3 * h * f) + V * h
+    assert e["params"] == matmul + (2 * L + 1) * h == 1_711_376_384
+    # training FLOPs per token: 6 per matmul parameter plus 12·L·s·h for attention (PaLM, appendix B)
+    assert e["flops_per_token"] == 6 * matmul + 12 * L * s * h
     # bf16 megatron: 2 + 4 + 12 bytes per parameter for weights, fp32 grads, master + Adam
     assert e["memory_gib"]["optimizer"] == pytest.approx(e["params_per_gpu"] * 12 / 2**30)
     dist = estimate(cfg(model={"preset": "1.7b"}, precision="bf16", data={"seq_len": 4096},
@@ -128,7 +135,15 @@ def test_estimate_1_7b_bf16():
     assert dist["memory_gib"]["optimizer"] == pytest.approx(e["memory_gib"]["optimizer"] / 8)
     tp2 = estimate(cfg(model={"preset": "1.7b"}, precision="bf16", parallel={"tp": 2}), world=2)
     assert tp2["params_per_gpu"] < 0.51 * e["params_per_gpu"]
-    assert e["tokens_per_s_per_gpu"] == pytest.approx(0.45 * 989.4e12 / e["flops_per_token"])
+    # tokens/s = MFU x peak / FLOPs per token. The default peak is an H100 SXM5's dense BF16 rate from its
+    # datasheet figures: 132 SMs x 4 tensor cores x 512 dense FP16/BF16 FMA (1024 FLOP) per clock x 1.83 GHz;
+    # the default MFU is the 45 % that docs/train.md documents (`--mfu 0.45`).
+    h100 = 132 * 4 * 1024 * 1.83e9
+    fpt = 6 * matmul + 12 * L * s * h
+    assert e["mfu"] == 0.45 and e["peak_flops"] == pytest.approx(h100, rel=1e-4)
+    assert e["tokens_per_s_per_gpu"] == pytest.approx(0.45 * h100 / fpt, rel=1e-4)
+    other = estimate(c, world=1, mfu=0.3, peak=312e12)
+    assert other["tokens_per_s_per_gpu"] == pytest.approx(0.3 * 312e12 / fpt)
 
 
 def test_torchrun_and_sbatch_commands(tmp_path):

@@ -1,0 +1,66 @@
+"""The test helpers that decide a verdict: run_killable's kill report, require's CI rule."""
+from __future__ import annotations
+
+import sys
+import time
+
+import psutil
+import pytest
+
+import testutil
+from testutil import run_killable
+
+
+def test_run_killable_reports_a_real_kill(tmp_path):
+    t0 = time.time()
+    assert run_killable([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log",
+                        kill_when=lambda: time.time() - t0 > 0.2) == "killed"
+
+
+def test_run_killable_kills_workers_in_their_own_session(tmp_path):
+    """As torchrun starts its workers: a child in a new session, out of reach of the group kill."""
+    pid_file = tmp_path / "worker.pid"
+    script = ("import subprocess, sys, time; "
+              "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+              f"open({str(pid_file)!r}, 'w').write(str(w.pid)); time.sleep(60)")
+    assert run_killable([sys.executable, "-c", script], tmp_path / "log", kill_when=pid_file.exists) == "killed"
+    worker = int(pid_file.read_text())
+    deadline = time.time() + 5
+    while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE:
+        assert time.time() < deadline, "the worker outlived the kill"
+        time.sleep(0.05)
+
+
+def test_run_killable_reports_a_process_that_finished_first(tmp_path):
+    log = tmp_path / "log"
+    # kill_when turns True only after the process has exited by itself (not yet reaped): kill -9 then has
+    # nothing to kill, and the exit status (3, not -9) says so
+    assert run_killable(["sh", "-c", "sleep 0.2; exit 3"], log, kill_when=lambda: time.sleep(1) or True) \
+        == "finished before the kill (exit status 3)"
+    # kill_when never turned True while it ran
+    assert run_killable(["sh", "-c", "exit 0"], log, kill_when=lambda: False) == "finished before the kill (exit status 0)"
+    assert "finished by itself (exit status 3)" in log.read_text()
+    assert run_killable(["sh", "-c", "exit 4"], log) == 4
+
+
+def _outcome(fn, *args, **kw) -> tuple[type, str]:
+    """(Failed or Skipped, message) that fn raised: caught here, so a skip cannot pass for the test's own."""
+    with pytest.raises((pytest.fail.Exception, pytest.skip.Exception)) as ei:
+        fn(*args, **kw)
+    return ei.type, str(ei.value)
+
+
+@pytest.mark.parametrize("ci", [False, True])
+def test_require_skips_or_fails_under_ci(monkeypatch, ci):
+    monkeypatch.setattr(testutil, "CI", ci)
+    monkeypatch.setitem(sys.modules, "spacy", None)  # import fails as if not installed
+    expect = pytest.fail.Exception if ci else pytest.skip.Exception
+    kind, msg = _outcome(testutil.require, "spacy")
+    assert kind is expect and "dev dependency spacy is not installed" in msg and "run make install" in msg
+    assert msg.startswith("CI: ") == ci
+    # not installed by the dev extra on this platform: a skip, even under CI
+    assert _outcome(testutil.require, "spacy", installed_here=False)[0] is pytest.skip.Exception
+    monkeypatch.setattr(testutil, "CORPORA", testutil.CORPORA / "no-such-dir")
+    kind, msg = _outcome(testutil.corpus_path, "fortunes")
+    assert kind is expect and "fortunes.jsonl.gz is absent" in msg
+    assert testutil.require("json").dumps([1]) == "[1]"
