@@ -14,6 +14,8 @@ updated by real AdamW steps on random gradients between saves. Per run (interlea
   ours incremental    --steps-between AdamW steps after its base: stall, time, bytes vs full
   megatron torch_dist dist_checkpointing.save (sync), no checksums
   torch DCP           torch.distributed.checkpoint.save of the plain tensors
+                      (both peers as ours: first save into a new directory, a later one into a retired
+                      checkpoint's directory, overwriting its files; first with first, later with later)
   path seq write      storage.bench LocalEngine sequential write (8 MiB, 1 thread, fsync), buffered and
                       direct (O_DIRECT: the I/O method our full-checkpoint writer uses), one point of
                       each per run, right after that run's saves (paired: this machine drifts)
@@ -26,6 +28,7 @@ from train import cpu_compat
 cpu_compat.install()  # at import: megatron's async writer re-imports __main__ with spawn
 
 import argparse
+import logging
 import os
 import platform
 import shutil
@@ -143,21 +146,24 @@ def one_run(toy: ToyState, root: str, steps_between: int) -> dict:
     mgr.close()
     r["inc_bytes"] = dir_bytes(os.path.join(d, "c", "step_00000002"))
     shutil.rmtree(d)
-    # megatron torch_dist, sync
-    d = tempfile.mkdtemp(dir=root)
-    t = time.perf_counter()
-    dist_checkpointing.save(toy.sharded_state_dict(), d)
-    r["mcore_s"] = time.perf_counter() - t
-    r["mcore_bytes"] = dir_bytes(d)
-    shutil.rmtree(d)
-    # torch DCP, sync
+    # the peers, sync, saved as ours: a run's first save into a new directory, the second into another, the
+    # third into the first's directory (their way to reuse a retired checkpoint: megatron logs it as
+    # overwriting an incomplete checkpoint, DCP's FileSystemWriter has overwrite=True by default; both
+    # truncate and rewrite each file, where ours rewrites the retired tensor file in place); first and third timed
     import torch.distributed.checkpoint as dcp
-    d = tempfile.mkdtemp(dir=root)
-    t = time.perf_counter()
-    dcp.save({k: v for k, v in toy.tensors().items()}, checkpoint_id=d)
-    r["dcp_s"] = time.perf_counter() - t
-    r["dcp_bytes"] = dir_bytes(d)
-    shutil.rmtree(d)
+    logging.getLogger("megatron.core.dist_checkpointing").setLevel(logging.ERROR)
+    peers = {"mcore": lambda d: dist_checkpointing.save(toy.sharded_state_dict(), d),
+             "dcp": lambda d: dcp.save(dict(toy.tensors()), checkpoint_id=d)}
+    for name, save in peers.items():
+        a, b = tempfile.mkdtemp(dir=root), tempfile.mkdtemp(dir=root)
+        for i, d in enumerate((a, b, a)):
+            t = time.perf_counter()
+            save(d)
+            if i != 1:
+                r[f"{name}_{'later' if i else 'first'}_s"] = time.perf_counter() - t
+        r[f"{name}_bytes"] = dir_bytes(a)
+        shutil.rmtree(a)
+        shutil.rmtree(b)
     return r
 
 
@@ -220,8 +226,14 @@ def main() -> int:
         (f"ours incremental ({args.steps_between} AdamW steps after base): training blocked", med["inc_block_s"], None),
         ("ours incremental: step slowdown", med["inc_slowdown_s"], None),
         ("ours incremental: until committed", med["inc_total_s"], med["inc_bytes"]),
-        ("megatron dist_checkpointing torch_dist (sync)", med["mcore_s"], med["mcore_bytes"]),
-        ("torch.distributed.checkpoint.save (sync)", med["dcp_s"], med["dcp_bytes"]),
+        ("megatron dist_checkpointing torch_dist (sync), a run's first save (new directory)", med["mcore_first_s"],
+         med["mcore_bytes"]),
+        ("megatron torch_dist, later saves (into a retired checkpoint's directory, files truncated and rewritten)",
+         med["mcore_later_s"], med["mcore_bytes"]),
+        ("torch.distributed.checkpoint.save (sync), a run's first save (new directory)", med["dcp_first_s"],
+         med["dcp_bytes"]),
+        ("torch DCP, later saves (into a retired checkpoint's directory, overwrite=True)", med["dcp_later_s"],
+         med["dcp_bytes"]),
     ]
     lines = ["| save | median s | bytes | GiB/s |", "|---|---|---|---|"]
     for name, s, b in rows:
@@ -232,8 +244,10 @@ def main() -> int:
          f"takes {med['step_s']:.3f} s"),
         f"incremental bytes / full bytes: {med['inc_bytes'] / med['full_bytes']:.3f}",
         f"incremental time / full async time: {med['inc_total_s'] / med['async_total_s']:.3f}",
-        (f"ours sync full / megatron torch_dist time: {med['sync_s'] / med['mcore_s']:.3f}; "
-         f"/ torch DCP: {med['sync_s'] / med['dcp_s']:.3f}"),
+        (f"ours sync full / megatron torch_dist time, a run's first save / first save: "
+         f"{med['sync_first_s'] / med['mcore_first_s']:.3f}, later / later: {med['sync_s'] / med['mcore_later_s']:.3f}; "
+         f"/ torch DCP: first / first {med['sync_first_s'] / med['dcp_first_s']:.3f}, later / later "
+         f"{med['sync_s'] / med['dcp_later_s']:.3f}"),
         (f"ours sync write GiB/s / path sequential write, direct like ours ({seq_direct:.3f} GiB/s): "
          f"{med['full_bytes'] / gib / med['sync_s'] / seq_direct:.3f} (issue goal >= 0.8), median of the per-run "
          f"ratios {paired:.3f} (direct reference per run: "
@@ -244,7 +258,19 @@ def main() -> int:
          f"{med['full_bytes'] / gib / med['sync_first_s'] / seq_direct:.3f}, / buffered: "
          f"{med['full_bytes'] / gib / med['sync_first_s'] / seq:.3f}"),
     ]
-    table = "\n".join(lines + [""] + [f"- {r}" for r in ratios])
+    notes = [  # what is and is not compared, one sentence per comparison
+        "ours / megatron torch_dist and torch DCP: the same tensors from one process, synchronous, each fsyncing "
+        "its files, a run's first save (new file or directory) with the peers' first and a later save with a later "
+        "one (ours rewrites a retired checkpoint's tensor file in place, the peers truncate and rewrite a retired "
+        "checkpoint's files); not compared: ours also checksums every file (XXH3-128) into a manifest, writes with "
+        "O_DIRECT and commits the whole checkpoint by one directory rename, where the peers write no checksums and "
+        "rename only their metadata file into place.",
+        "ours sync write / path sequential write: our save's bytes over its whole time against storage.bench's "
+        "sequential write of a file of the same size on the same folder, measured in the same run; not compared: "
+        "the reference writes one stream with no checksums, manifest or rename.",
+        "async blocking time / sync save, incremental / full: ours against ours (no peer), same state and folder."]
+    table = "\n".join(lines + [""] + [f"- {r}" for r in ratios] + ["", "What is and is not compared:"]
+                      + [f"- {n}" for n in notes])
     print(table)
     if not args.no_append:
         cmd = "python tools/bench/bench_ckpt.py " + " ".join(sys.argv[1:])
