@@ -79,7 +79,8 @@ def build_evaluator(cfg, model_chunks, par, tokenizer_path: str | None, dataset:
                     warn=print) -> Evaluator:
     """The evaluator of a TrainConfig (`cfg.eval`); a dataset without a held-out split gives a warning
     (through `warn`) and no validation loss, not an error."""
-    from storage.manifest import read_manifest
+    from storage.fs import read_bytes
+    from train.checkpoint.hf_tokenizer import resolve_eos
     from train.eval.validation import NoValidationSet
 
     ec = cfg.eval
@@ -87,12 +88,11 @@ def build_evaluator(cfg, model_chunks, par, tokenizer_path: str | None, dataset:
     eos = None
     if ec.tasks:
         check_tokenizer(tokenizer_path, m.vocab_size)
-        if dataset:
-            eos = read_manifest(dataset).tokenizer.eos_id
-        else:
-            from tokenizers import Tokenizer
-
-            eos = Tokenizer.from_file(tokenizer_path).token_to_id("<|endoftext|>")
+        found = resolve_eos(read_bytes(tokenizer_path), tokenizer_path)  # the dataset's EOS, as the export's
+        if found is None:
+            raise ConfigError(f"tokenizer {tokenizer_path}: its EOS is unknown (no dataset manifest beside it, "
+                              "not exactly one special token); the EOS prefixes empty contexts")
+        eos = found[1]
     validation = None
     if ec.validation_tokens and dataset:
         try:
