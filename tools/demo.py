@@ -1,6 +1,6 @@
 """`make demo`: raw text → dataset (with a held-out split) → TP=2 training with in-loop evaluation and
-async checkpoints → resume → eval of every checkpoint → HF export → generation → storage bench, on the
-embedded corpus, printing where every output lies.
+async checkpoints → resume → eval of every checkpoint → HF export → generation → storage bench → the
+table of every checkpoint's evaluation, on the embedded corpus, printing where every output lies.
 
     python -m tools.demo [--out demo-out] [--steps 240]
 """
@@ -76,8 +76,6 @@ def main() -> None:
          [str(BIN / "train"), "plot", str(run)])
     step("4/7 train eval --all: every checkpoint, validation loss and the three benchmarks (TP=1 here: "
          "resharded on load)", [str(BIN / "train"), "eval", str(run), "--all"])
-    step("train eval --table: which checkpoint is best (a tiny model stays near chance: 0.25 for 4 choices, "
-         "0.5 for 2; the validation loss shows the learning)", [str(BIN / "train"), "eval", "--table", str(run)])
     ckpt = newest_checkpoint(run / "checkpoints")
     step("train ckpt list", [str(BIN / "train"), "ckpt", "list", str(run / "checkpoints")])
     step(f"5/7 train ckpt export: {ckpt.name} → Hugging Face Llama folder",
@@ -87,6 +85,8 @@ def main() -> None:
         print(f"  {prompt!r} → {generate(hf, prompt)!r}", flush=True)
     step("7/7 storage bench --quick on the run directory",
          [str(BIN / "storage"), "bench", "--quick", str(run), "--out", str(bench)])
+    step("train eval --table: which checkpoint is best (a tiny model stays near chance: 0.25 for 4 choices, "
+         "0.5 for 2; the validation loss shows the learning)", [str(BIN / "train"), "eval", "--table", str(run)])
     print(f"\nDone in {time.time() - t0:.0f} s. Outputs:")
     print(f"  dataset + build report   {data}  (manifest.json; `datapipe report {data}`)")
     print(f"  training run             {run}  (metrics.jsonl, TensorBoard events, config.yaml)")
