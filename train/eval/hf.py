@@ -5,8 +5,8 @@ library, so ids are those of the Megatron path), float32 model, log_softmax in f
 log-probs summed per candidate.
 
 Candidates are sorted by length (longest first, as lm-eval does) and batched with right padding under a
-token budget (rows × longest row ≤ batch_tokens). Candidates whose model inputs are identical (e.g. one-
-token continuations of a shared context) are run once. For Llama-like models only the hidden states at
+token budget (rows × longest row ≤ batch_tokens), by the Megatron path's `length_batches`. Candidates whose
+model inputs are identical (e.g. one-token continuations of a shared context) are run once. For Llama-like models only the hidden states at
 continuation positions go through the output layer (the logits of a whole batch over a large vocabulary
 would not fit in memory); others use the model's full logits.
 """
@@ -19,6 +19,7 @@ import torch
 
 from storage.evaltasks import Task
 from train.eval.requests import encode_items, task_metrics
+from train.eval.scorer import length_batches
 
 # Models whose causal-LM head is exactly `lm_head(base_model(...).last_hidden_state)`.
 _PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "smollm3"}
@@ -55,19 +56,6 @@ def load_hf(folder: str):
     return model, tok, int(eos), int(max_length)
 
 
-def _batches(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Consecutive runs of `order` (longest first) with len(run) × longest ≤ batch_tokens (≥ 1 row)."""
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return out
-
-
 @torch.inference_mode()
 def _score_inputs(model, inputs: list[list[int]], targets: list[list[list[int]]], pad_id: int,
                   batch_tokens: int) -> list[list[float]]:
@@ -77,7 +65,7 @@ def _score_inputs(model, inputs: list[list[int]], targets: list[list[list[int]]]
     lengths = [len(x) for x in inputs]
     order = sorted(range(len(inputs)), key=lambda i: (-lengths[i], inputs[i]))
     out: list[list[float]] = [[] for _ in inputs]
-    for rows in _batches(order, lengths, batch_tokens):
+    for rows in length_batches(order, lengths, batch_tokens):
         width = lengths[rows[0]]
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         for r, i in enumerate(rows):

@@ -69,14 +69,16 @@ def supports_trees(model_chunks: list) -> bool:
     return bool(cores) and all(type(m) is DotProductAttention for m in cores)
 
 
-def _batches(order: list[int], rows: list[Row], batch_tokens: int, max_rows: int) -> list[list[int]]:
-    """Greedy batches of rows (longest first) with rows × longest ≤ batch_tokens; a row shorter than
-    PAD_RATIO of its batch's longest starts a new batch, so padding stays under ~1/4 of any batch."""
+def length_batches(order: list[int], lengths: list[int], batch_tokens: int, max_rows: int | None = None,
+                   pad_ratio: float = PAD_RATIO) -> list[list[int]]:
+    """Greedy batches of `order` (longest first) with rows × longest ≤ batch_tokens (≥ 1 row each); a row
+    shorter than `pad_ratio` × its batch's longest starts a new batch, so padding stays under ~1/4 of any
+    batch. Shared by the Megatron scorer and the transformers backend (train.eval.hf)."""
     out, cur, longest = [], [], 0
     for i in order:
-        n = len(rows[i].tokens)
-        if cur and (max(longest, n) * (len(cur) + 1) > batch_tokens or len(cur) >= max_rows
-                    or n < PAD_RATIO * longest):
+        n = lengths[i]
+        if cur and (max(longest, n) * (len(cur) + 1) > batch_tokens or len(cur) == max_rows
+                    or n < pad_ratio * longest):
             out.append(cur)
             cur, longest = [], 0
         cur.append(i)
@@ -199,7 +201,8 @@ class Scorer:
             m.eval()
         try:
             with torch.no_grad(), scoring_hooks(self.model) as box:
-                for batch in _batches(mine, rows, self.batch_tokens, self.max_rows):
+                lengths = [len(r.tokens) for r in rows]
+                for batch in length_batches(mine, lengths, self.batch_tokens, self.max_rows):
                     out = self._run([rows[i] for i in batch], box)
                     if out is not None:
                         for i, lp in zip(batch, out):
