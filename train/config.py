@@ -23,6 +23,9 @@ class DataConfig(LoaderConfig):
     """storage's LoaderConfig (all its keys); `dataset` may stay empty here when debug.synthetic_data is
     set: `TrainConfig.check_data` requires it otherwise, before any process starts."""
     seq_len: int = 256
+    # Keep packed documents apart: positions restart and attention stays within each document (EOS ends
+    # a document in pretraining rows). null: on for objective sft, off for pretrain.
+    document_masking: bool | None = None
 
     def validate(self) -> None:
         import dataclasses
@@ -147,7 +150,12 @@ class TrainConfig:
     steps: int = 100                 # training steps (optimizer steps, skipped ones included)
     stop_at: int | None = None       # stop cleanly (checkpoint saved) at this step; schedules still span `steps`
     seed: int = 1234                 # model seed; the data seed is data.seed (shared by DP ranks)
+    # pretrain: next-token loss on every token of a token stream; sft: whole documents packed best-fit
+    # decreasing, loss on the tokens their mask marks, normalised by the global count of such tokens
+    objective: Literal["pretrain", "sft"] = "pretrain"
+    epochs: float | None = None      # sft: passes over the packed dataset; sets steps (schedules span them)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 weights/activations, fp32 master + grads
+    init: str | None = None          # start from this checkpoint's weights (fresh optimizer/schedule/data, step 0; model shape from it); resume wins
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -164,6 +172,13 @@ class TrainConfig:
         """Checks that need no world size; run on every load."""
         if self.steps < 1:
             raise ConfigError(f"key 'steps': must be >= 1, got {self.steps}")
+        if self.epochs is not None and (self.objective != "sft" or self.epochs <= 0):
+            raise ConfigError(f"key 'epochs': needs objective sft and a positive value, got {self.epochs} with "
+                              f"objective {self.objective}")
+        if self.data.document_masking and self.debug.synthetic_data:
+            raise ConfigError("key 'data.document_masking': synthetic data has no documents")
+        if self.objective == "sft" and self.debug.synthetic_data:
+            raise ConfigError("key 'objective': sft needs a dataset of documents (debug.synthetic_data has none)")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ConfigError(f"key 'stop_at': must be between 1 and steps ({self.steps}), got {self.stop_at}")
         m, p = self.model.resolved(), self.parallel
@@ -214,13 +229,31 @@ class TrainConfig:
             raise ConfigError(f"key 'model.vocab_size': {vocab} is smaller than the dataset tokenizer's "
                               f"{man.tokenizer.vocab_size}")
 
+    def document_masking(self) -> bool:
+        return self.objective == "sft" if self.data.document_masking is None else self.data.document_masking
+
     def resolved_for_data(self) -> TrainConfig:
-        """A copy whose model vocab is the dataset tokenizer's when model.vocab_size is null."""
+        """A copy whose model vocab is the dataset tokenizer's when model.vocab_size is null, and whose
+        steps are those of `epochs` over the packed dataset when epochs is set."""
         import dataclasses
 
-        if self.model.vocab_size is not None or self.debug.synthetic_data or not self.data.dataset:
+        if self.debug.synthetic_data or not self.data.dataset:
             return self
-        from storage.manifest import read_manifest
+        out = self
+        if self.model.vocab_size is None:
+            from storage.manifest import read_manifest
 
-        vocab = read_manifest(self.data.dataset).tokenizer.vocab_size
-        return dataclasses.replace(self, model=dataclasses.replace(self.model, vocab_size=vocab))
+            vocab = read_manifest(self.data.dataset).tokenizer.vocab_size
+            out = dataclasses.replace(out, model=dataclasses.replace(self.model, vocab_size=vocab))
+        if self.epochs is not None:
+            from storage.loader.conversations import ConversationLoader
+
+            with ConversationLoader(self.data, 1) as ld:
+                rows = ld.rows_in_epochs(self.epochs)
+            steps = rows // self.parallel.global_batch_size
+            if steps < 1:
+                raise ConfigError(f"key 'epochs': {self.epochs} epochs of {rows} packed rows make no global batch "
+                                  f"of {self.parallel.global_batch_size}")
+            out = dataclasses.replace(out, steps=steps, stop_at=None if self.stop_at is None else min(self.stop_at,
+                                                                                                      steps))
+        return out

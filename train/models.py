@@ -90,9 +90,11 @@ class ModelConfig:
         return -(-v // m) * m
 
 
-def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = False):
+def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = False,
+                       per_token_loss: bool = False):
     """megatron TransformerConfig for `cfg`. TP and PP sizes must be given, or every pipeline stage
-    silently builds all layers."""
+    silently builds all layers. `per_token_loss`: micro-batch losses are sums, and gradients are divided
+    by the step's global count of loss tokens (megatron's calculate_per_token_loss)."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -113,7 +115,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool
         use_cpu_initialization=True,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        cross_entropy_loss_fusion=False, calculate_per_token_loss=per_token_loss,
     )
 
 
@@ -129,7 +131,7 @@ def layer_spec(use_te: bool | None = None):
 
 
 def build_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = False, seed: int = 1234,
-                use_te: bool | None = None) -> list:
+                use_te: bool | None = None, per_token_loss: bool = False) -> list:
     """This rank's GPTModel chunk(s) (a list, one per virtual stage; no virtual stages yet), initialised.
 
     Needs `parallel_state` initialised with the same TP/PP. Returned unwrapped: DDP and Float16Module
@@ -139,7 +141,7 @@ def build_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = Fals
     from megatron.core.models.gpt import GPTModel
 
     s = cfg.resolved()
-    tcfg = transformer_config(cfg, tp=tp, pp=pp, bf16=bf16)
+    tcfg = transformer_config(cfg, tp=tp, pp=pp, bf16=bf16, per_token_loss=per_token_loss)
     model = GPTModel(
         config=tcfg, transformer_layer_spec=layer_spec(use_te),
         vocab_size=cfg.padded_vocab_size(tp), max_sequence_length=s.max_position_embeddings,

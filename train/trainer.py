@@ -18,6 +18,7 @@ from storage import config as cfgmod
 from train import parallel
 from train.config import TrainConfig
 from train.data import make_loader
+from train.docmask import micro_batch, rope_positions
 from train.metrics import Alerts, Sinks, flops_per_token, memory_stats, mfu, peak_flops
 from train.models import build_model
 from train.optim import LRScheduler, SpikeDetector, build_optimizer, clip_and_step, grad_norm
@@ -39,7 +40,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfgmod.save(cfg, self.run_dir / "config.yaml")
 
-        chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.precision == "bf16", seed=cfg.seed)
+        chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.precision == "bf16", seed=cfg.seed,
+                             per_token_loss=cfg.objective == "sft")
         self.model = parallel.wrap_ddp(cfg, chunks)
         tcfg = chunks[0].config
         # The schedule calls these: DP grad all-reduce (or reduce-scatter), tied-embedding and layernorm
@@ -49,6 +51,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.steps)
         self.loader = make_loader(cfg, par)
+        self.docs = _document_settings(cfg, self.model)
         self.spikes = SpikeDetector(cfg.spike)
         self.state = TrainState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                 loader=self.loader, extra={"skipped_steps": 0, "nonfinite_steps": 0,
@@ -64,20 +67,29 @@ class Trainer:
     # ---------------------------------------------------------------- one step
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator).to(self.par.device, non_blocking=True)
-        tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        out = model(tokens, positions, None, labels=labels)  # causal mask comes from the layer spec
-        return out, partial(self._loss, step=self.state.step)
+        mb = micro_batch(batch, **self.docs)
+        self._rope["positions"] = mb.positions
+        positions = mb.positions if mb.positions is not None else \
+            torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
+        out = model(mb.tokens, positions, mb.attention_mask, labels=mb.labels,  # None: the spec's causal mask
+                    packed_seq_params=mb.packed_seq_params)
+        return out, partial(self._loss, loss_mask=mb.loss_mask, nonpad=mb.nonpad, step=self.state.step)
 
-    def _loss(self, token_losses, step: int):
-        total = token_losses.float().sum()
+    def _loss(self, token_losses, loss_mask, nonpad: torch.Tensor, step: int):
+        losses = token_losses.float()
+        if loss_mask is not None:
+            losses = losses * loss_mask.reshape(losses.shape)
+        total = losses.sum()
         if step == self.cfg.debug.inject_nan_step:
             total = total * float("nan")
         if step == self.cfg.debug.inject_spike_step:
             total = total * 100.0
-        n = torch.tensor(token_losses.numel(), dtype=torch.int, device=total.device)
-        # (loss, tokens, report): megatron divides by tokens and micro-batches for backward.
-        return total, n, {"lm_loss": torch.stack([total.detach().clone(), n.double()])}
+        n = torch.tensor(losses.numel(), dtype=torch.int, device=total.device) if loss_mask is None \
+            else loss_mask.sum().to(torch.int)
+        # (loss, tokens, report): for pretraining megatron divides by tokens and micro-batches; for sft
+        # (calculate_per_token_loss) it keeps sums and divides the gradients by the global token count.
+        report = torch.stack([total.detach().double(), n.double(), nonpad.double()])
+        return total, n, {"lm_loss": report}
 
     def train_step(self) -> dict:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -93,11 +105,12 @@ class Trainer:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         lr = self.scheduler.apply()
-        reports = get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=micro, model=self.model,
-            num_microbatches=par.num_microbatches, seq_length=cfg.data.seq_len, micro_batch_size=mbs,
-            forward_only=False)
-        loss = self._global_loss(reports)
+        with rope_positions(self.model) as self._rope:
+            reports = get_forward_backward_func()(
+                forward_step_func=self._forward_step, data_iterator=micro, model=self.model,
+                num_microbatches=par.num_microbatches, seq_length=self.docs_seq_len(mbs), micro_batch_size=mbs,
+                forward_only=False)
+        loss, loss_tokens, nonpad = self._global_loss(reports)
         norm = grad_norm(self.optimizer)
 
         skip = None
@@ -123,16 +136,22 @@ class Trainer:
         st.step += 1
         st.consumed_tokens += cfg.parallel.global_batch_size * cfg.data.seq_len
         return {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": skip is not None,
-                "step_time_s": time.perf_counter() - t0, "data_wait_s": data_wait}
+                "step_time_s": time.perf_counter() - t0, "data_wait_s": data_wait, "loss_tokens": loss_tokens,
+                "nonpad_tokens": nonpad}
 
-    def _global_loss(self, reports: list) -> float:
-        """Token-mean loss over the global batch, known on every rank (decisions must agree)."""
-        t = torch.zeros(2, dtype=torch.float64, device=self.par.device)
+    def docs_seq_len(self, mbs: int) -> int:
+        """The sequence length the pipeline schedule sends between stages (thd lays rows end to end)."""
+        return self.cfg.data.seq_len * mbs if self.docs["varlen"] else self.cfg.data.seq_len
+
+    def _global_loss(self, reports: list) -> tuple[float, int, int]:
+        """(token-mean loss over the global batch's loss tokens, loss tokens, non-padding tokens), known on
+        every rank (decisions must agree)."""
+        t = torch.zeros(3, dtype=torch.float64, device=self.par.device)
         if self.par.is_last_stage and self.par.tp_rank == 0:
             for r in reports:
                 t += r["lm_loss"].to(t)
         dist.all_reduce(t)
-        return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+        return (float(t[0] / t[1]) if t[1] > 0 else float("nan")), int(t[1]), int(t[2])
 
     def _count_skip(self, kind: str, loss: float, norm: float) -> None:
         ex = self.state.extra
@@ -150,6 +169,11 @@ class Trainer:
         if self.ckpt is not None and self.ckpt.resume(st):
             self.spikes.load_state_dict(st.extra.get("spike", {}))
             self.sinks.event(st.step, "resume", f"resumed at step {st.step}")
+        elif cfg.init:  # weights only, and only when there is nothing to resume (resume wins)
+            from train.checkpoint.init_from import load_weights
+
+            load_weights(self.model, self.optimizer, cfg.init)
+            self.sinks.event(st.step, "init", f"weights from {cfg.init} (fresh optimizer, schedule, data)")
         window, last = [], {}
         try:
             while st.step < cfg.steps:
@@ -177,6 +201,12 @@ class Trainer:
         elapsed = sum(w["step_time_s"] for w in window)
         tokens = len(window) * cfg.parallel.global_batch_size * cfg.data.seq_len
         tps = tokens / elapsed if elapsed > 0 else 0.0
+        if cfg.objective == "sft":  # padding is computed but not data: report both
+            nonpad = sum(w["nonpad_tokens"] for w in window)
+            sft = {"nonpad_tokens_per_s": nonpad / elapsed if elapsed > 0 else 0.0,
+                   "packing_efficiency": nonpad / tokens, "loss_tokens": window[-1]["loss_tokens"]}
+        else:
+            sft = {}
         mem = memory_stats()
         mem["fraction"] = parallel.all_reduce_max(mem["fraction"], par.device)
         rec = {"step": st.step, "loss": window[-1]["loss"], "grad_norm": window[-1]["grad_norm"],
@@ -185,7 +215,7 @@ class Trainer:
                "data_wait_share": sum(w["data_wait_s"] for w in window) / elapsed if elapsed > 0 else 0.0,
                "mfu": mfu(tps / par.world, self.fpt, self.peak), "consumed_tokens": st.consumed_tokens,
                "skipped_steps": st.extra["skipped_steps"], "nonfinite_steps": st.extra["nonfinite_steps"],
-               "spike_steps": st.extra["spike_steps"], "mem_fraction": mem.pop("fraction"), **mem}
+               "spike_steps": st.extra["spike_steps"], "mem_fraction": mem.pop("fraction"), **mem, **sft}
         self.sinks.log(rec)
         warnings, stop = self.alerts.check(rec)
         for w in warnings:
@@ -202,6 +232,20 @@ class Trainer:
             self.ckpt = None
         self.loader.close()
         self.sinks.close()
+
+
+def _document_settings(cfg: TrainConfig, model: list) -> dict:
+    """micro_batch's settings: document masking, the EOS that ends pretraining documents, and whether
+    attention takes packed sequences (Transformer Engine's thd format) instead of an explicit mask."""
+    eos = None
+    if cfg.document_masking() and cfg.objective == "pretrain":
+        from storage.manifest import read_manifest
+
+        eos = read_manifest(cfg.data.dataset).tokenizer.eos_id
+    from train.eval.scorer import supports_trees
+
+    return {"document_masking": cfg.document_masking(), "eos_id": eos,
+            "varlen": cfg.document_masking() and not supports_trees(model)}
 
 
 def _checkpoint_manager(cfg: TrainConfig, run_dir: Path):

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from train.docmask import _rope_forward
+
 
 PAD_RATIO = 0.8
 
@@ -125,8 +127,7 @@ def _tensors(rows: list[Row], pad_to: int, n_rows: int) -> dict:
 @contextlib.contextmanager
 def scoring_hooks(model_chunks: list):
     """While active, per micro-batch values in the returned dict steer the chunks:
-    - `positions` ([B, S]): RoPE takes these per-token positions instead of 0 .. S-1, with the arithmetic
-      of megatron's `get_emb` (outer product of positions and inverse frequencies);
+    - `positions` ([B, S]): RoPE takes these per-token positions instead of 0 .. S-1 (train.docmask);
     - `select` ([B, S] bool): only these positions go through the output layer and the cross entropy
       (the others get loss 0), so long contexts do not pay for vocabulary-sized logits they never use."""
     from megatron.core.utils import unwrap_model
@@ -149,18 +150,6 @@ def scoring_hooks(model_chunks: list):
     finally:
         for obj, name in undo:
             delattr(obj, name)
-
-
-def _rope_forward(rope, orig, box, max_seq_len, *args, **kwargs):
-    pos = box["positions"]
-    if pos is None:
-        return orig(max_seq_len, *args, **kwargs)
-    inv = rope.inv_freq
-    seq = pos.to(device=inv.device, dtype=inv.dtype)
-    if rope.seq_len_interpolation_factor is not None:
-        seq = seq * (1 / rope.seq_len_interpolation_factor)
-    freqs = seq[..., None] * inv  # [B, S, dim/2]
-    return torch.cat((freqs, freqs), dim=-1).transpose(0, 1)[:, :, None, :]  # [S, B, 1, dim]
 
 
 def _output_forward(orig, box, hidden_states, *args, **kwargs):
