@@ -27,13 +27,38 @@ def fineweb_filters() -> list[FilterSpec]:
 
 
 @dataclass
+class ChatConfig:
+    """How a `format: chat` source's conversations become tokens and a loss mask (see datapipe.chat)."""
+    template: str = "chatml"  # built-in (chatml, smollm3), a tokenizer_config.json or a .jinja file
+    train_on: Literal["assistant", "last_assistant", "all"] = "assistant"  # tokens that carry loss
+    max_tokens: int = 4096  # longer conversations are rejected (too_long), or cut with truncate
+    truncate: bool = False  # cut to max_tokens instead of rejecting (counted as `truncated`)
+    template_vars: dict[str, Any] = field(default_factory=dict)  # extra template variables, e.g. enable_thinking
+
+    def validate(self) -> None:
+        if not self.template.strip():
+            raise ConfigError("key 'chat.template': must name a built-in template or a file")
+        if self.max_tokens < 1:
+            raise ConfigError(f"key 'chat.max_tokens': must be >= 1, got {self.max_tokens}")
+        reserved = {"messages", "add_generation_prompt", "tools", "documents"} & set(self.template_vars)
+        if reserved:
+            raise ConfigError(f"key 'chat.template_vars.{min(reserved)}': set by the renderer, not a template var")
+
+
+@dataclass
 class SourceConfig:
     name: str
     paths: list[str]
-    format: Literal["auto", "jsonl", "parquet", "text"] = "auto"
+    # chat: JSONL of `messages` or `prompt`/`completion` records, rendered by `chat.template`
+    format: Literal["auto", "jsonl", "parquet", "text", "chat"] = "auto"
     text_field: str = "text"
     id_field: str | None = "id"
-    filters: list[FilterSpec] | None = None  # None: the build's default_filters
+    filters: list[FilterSpec] | None = None  # None: the build's default_filters ([] for chat sources)
+    chat: ChatConfig = field(default_factory=ChatConfig)  # used when format is chat
+
+    @property
+    def is_chat(self) -> bool:
+        return self.format == "chat"
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith((".", "_")) or self.name in RESERVED_NAMES:
@@ -80,6 +105,9 @@ class TokenizerConfig:
     path: str | None = None
     vocab_size: int = 8192  # when training
     eos_token: str = "<|endoftext|>"
+    # extra special tokens a trained BPE reserves (single tokens), e.g. ["<|im_start|>", "<|im_end|>"] so a
+    # pretraining tokenizer is ready for a later chat dataset (SFT) built with `tokenizer.path` set to it
+    special_tokens: list[str] = field(default_factory=list)
     train_max_docs: int = 200_000
     batch_size: int = 256
 
@@ -220,6 +248,11 @@ class BuildConfig:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ConfigError(f"key 'sources': duplicate source name {min(dup)!r}")
+        chat = [(i, s) for i, s in enumerate(self.sources) if s.is_chat]
+        for i, s in chat[1:]:
+            if s.chat.template != chat[0][1].chat.template:
+                raise ConfigError(f"key 'sources.{i}.chat.template': {s.chat.template!r} differs from source "
+                                  f"{chat[0][1].name!r}'s {chat[0][1].chat.template!r} (one template per dataset)")
         if self.sources:
             for i, ph in enumerate(self.mix.phases):
                 for s in ph.weights:
@@ -228,7 +261,14 @@ class BuildConfig:
                                           f"(sources: {', '.join(names)})")
 
     def filters_for(self, src: SourceConfig) -> list[FilterSpec]:
-        return self.default_filters if src.filters is None else src.filters
+        if src.filters is None:
+            return [] if src.is_chat else self.default_filters
+        return src.filters
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template spec of the chat sources (one per dataset), or None without chat sources."""
+        return next((s.chat.template for s in self.sources if s.is_chat), None)
 
 
 @dataclass

@@ -72,3 +72,48 @@ def demo_config(output: str, limit: int = 400, base: BuildConfig | None = None) 
             PhaseSpec("stable", {"stdlib": 0.7, "topics": 0.3}, fraction=0.8),
             PhaseSpec("decay", {"stdlib": 0.5, "topics": 0.5}, fraction=0.2)]),
     )
+
+
+_QUESTIONS = ("What does `{name}` do?", "Explain `{name}` from the Python standard library.",
+              "In one paragraph: what is `{name}` for?", "I found `{name}` in some code. What is it?")
+
+
+def chat_docs(limit: int = 3000) -> list[dict]:
+    """Conversations made from the standard library's docstrings (nothing is imported): the user asks what
+    a function, class or method does, the assistant answers with the first paragraph of its docstring, and every
+    third conversation has a system prompt and a second turn asking for the signature, answered with the
+    `def` line read from the source. Deterministic: the same Python gives the same conversations."""
+    root = sysconfig.get_paths()["stdlib"]
+    out: list[dict] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib",
+                                                              "lib2to3", "__pycache__") and not d.startswith("."))
+        for fn in sorted(f for f in filenames if f.endswith(".py") and not f.startswith("_")):
+            path = os.path.join(dirpath, fn)
+            module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, OSError):
+                continue
+            nodes = [(node, getattr(node, "name", "")) for node in tree.body]
+            nodes += [(m, f"{c.name}.{getattr(m, 'name', '')}") for c in tree.body if isinstance(c, ast.ClassDef)
+                      for m in c.body]
+            for node, qual in nodes:
+                if not isinstance(node, (ast.ClassDef, ast.FunctionDef)) or node.name.startswith("_"):
+                    continue
+                doc = ast.get_docstring(node)
+                answer = doc.split("\n\n")[0].strip() if doc else ""
+                if len(answer) < 40:
+                    continue
+                name, k = f"{module}.{qual}", len(out)
+                messages = [{"role": "user", "content": _QUESTIONS[k % len(_QUESTIONS)].format(name=name)},
+                            {"role": "assistant", "content": " ".join(answer.split())[:600]}]
+                if k % 3 == 0 and isinstance(node, ast.FunctionDef):
+                    messages.insert(0, {"role": "system", "content": "You are a concise Python assistant."})
+                    messages += [{"role": "user", "content": "What is its signature?"},
+                                 {"role": "assistant", "content": f"`def {node.name}({ast.unparse(node.args)})`"}]
+                out.append({"id": f"chat/{name}", "messages": messages})
+                if len(out) >= limit:
+                    return out
+    return out

@@ -31,7 +31,8 @@ def normalize_text(text: str, cfg: NormalizeConfig) -> str:
 
 
 class Normalize(PipelineStep):
-    """Normalises `doc.text` in place; a document left empty is dropped (counted, written to rejects)."""
+    """Normalises `doc.text` in place; a document left empty is dropped (counted, written to rejects).
+    Rendered conversations (with `loss_spans`) pass unchanged."""
 
     name = "🔤 normalize"
     type = "✂️ - FORMAT"
@@ -45,6 +46,10 @@ class Normalize(PipelineStep):
         with self.exclusion_writer as rej:
             for doc in data:
                 self.stat_update("total")
+                if "loss_spans" in doc.metadata:  # a rendered conversation: its contents were normalised
+                    self.stat_update("forwarded")  # before rendering, and its spans index this exact text
+                    yield doc
+                    continue
                 doc.text = normalize_text(doc.text, self.cfg)
                 if not doc.text:
                     self.stat_update("dropped", "dropped_empty_after_normalize")

@@ -3,6 +3,8 @@
 Stages (tasks): filter (one per input file) → exact (1) → signatures (one per file) → buckets (bands)
 → clusters (1) → tokenizer (1) → tokenize (one per file: near-dup filter, decontamination, encoding) →
 shards (one per source, which also splits off the held-out validation documents) → manifest.
+Chat sources are rendered by their template when read (see `datapipe.sources`), so every stage after
+that sees plain text; the tokenize stage adds their loss masks, and the manifest records the template.
 Task ranks are file positions in the global, priority-ordered file list, so outputs are identical for
 any worker count. Each stage logs completions under `WORK/logs/<stage>`; a rerun skips finished tasks
 (datatrove's `skip_completed`) and redoes the rest, giving the same bytes as an uninterrupted build.
@@ -23,6 +25,7 @@ from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupCl
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from datapipe import executors
+from datapipe.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
 from datapipe.decontaminate import Decontaminate, load_index
 from datapipe.dedup.exact import ExactHasher, IndexRemover
@@ -40,7 +43,7 @@ from datapipe.steps import (
     WriteShards,
     load_remove_count,
 )
-from datapipe.tokenize import TokenizeStep, tokenizer_info
+from datapipe.tokenize import TokenizeStep, check_special_tokens, load_tokenizer, tokenizer_info
 from datapipe.workfiles import read_json
 from storage import config as cfgmod
 from storage.manifest import Manifest, SourceInfo, read_manifest, write_manifest
@@ -77,6 +80,10 @@ class Build:
         for i, s in enumerate(cfg.sources):
             check_specs(cfg.filters_for(s), f"sources.{i}.filters" if s.filters is not None else "default_filters")
         check_fields(self.files, self.srcmap)
+        self.chat_template = load_template(cfg.chat_template) if cfg.chat_template else None
+        if self.chat_template is not None and cfg.tokenizer.path and os.path.isfile(cfg.tokenizer.path):
+            check_special_tokens(load_tokenizer(cfg.tokenizer.path), template_special_tokens(self.chat_template),
+                                 f"key 'tokenizer.path' ({cfg.tokenizer.path})")
         if cfg.decontaminate.enabled:
             load_index(cfg.decontaminate)  # a bad task spec or file fails here, before any stage runs
         self._prepare_dirs(fresh)
@@ -104,7 +111,8 @@ class Build:
         def rej(name: str) -> JsonlWriter:
             return JsonlWriter(os.path.join(self.rejects, name), output_filename="${rank}.jsonl.gz")
 
-        reader = SourceReader(self.files, self.srcmap, self.rejects, cfg.normalize.max_chars)
+        reader = SourceReader(self.files, self.srcmap, self.rejects, cfg.normalize.max_chars, cfg.normalize,
+                              self.chat_template)
         norm = Normalize(cfg.normalize, rej("normalize"))
         stages = [Stage("filter", [
             reader, norm,
@@ -142,7 +150,8 @@ class Build:
         if cfg.decontaminate.enabled:
             tok_steps.append(Decontaminate(cfg.decontaminate, self.w("counts", "decontaminate"),
                                            rej("decontaminate")))
-        tok_steps.append(TokenizeStep(tok_path, cfg.tokenizer.eos_token, self.w("tokens"), cfg.tokenizer.batch_size))
+        tok_steps.append(TokenizeStep(tok_path, cfg.tokenizer.eos_token, self.w("tokens"), cfg.tokenizer.batch_size,
+                                      {s.name: s.chat for s in cfg.sources if s.is_chat}, self.rejects))
         stages.append(Stage("tokenize", tok_steps, F))
         return stages
 
@@ -191,12 +200,19 @@ class Build:
             read = read_json(self.w("counts", "read", f"{r:05d}.json"))
             add(st, "read", read["read"].get("read", 0))
             add(st, "dropped_read", read["read"].get("dropped_read", 0))
+            for k, v in read["read"].items():
+                if k.startswith("dropped_read:"):  # a chat source's rejected conversations, per reason
+                    add(st, k, v)
             add(st, "dropped_normalize", read["normalize"].get("dropped", 0))
             for k, v in read_json(self.w("counts", "filters", f"{r:05d}.json")).items():
                 add(st, f"dropped_{k}", v)
             add(st, "exact_duplicates", load_remove_count(self.w("exact_remove", f"{r:05d}.remove.npy"), "npy"))
             add(st, "near_duplicates", load_remove_count(self.w("minhash", "remove", f"{r:06d}.remove"), "raw"))
             add(st, "decontaminated", self._decont_counts(r).get("decontaminated", 0))
+            if self.srcmap[f.source].is_chat:
+                counts = read_json(self.w("tokens", f"{r:05d}.docs.json")).get("counts", {})
+                for k in ("dropped_too_long", "truncated", "loss_tokens"):
+                    add(st, k, counts.get(k, 0))
         return out
 
     def _decont_counts(self, rank: int) -> dict:
@@ -222,6 +238,7 @@ class Build:
             val = cfgmod.from_dict(SourceInfo, read_json(self.w("sources", f"{s.name}.validation.json")))
             info.stats = {**stats.get(s.name, {}), "documents": info.documents, "tokens": info.tokens,
                           "validation_documents": val.documents, "validation_tokens": val.tokens}
+            info.kind = val.kind = "chat" if s.is_chat else "text"
             sources[s.name] = info
             if val.documents:
                 validation[s.name] = val
@@ -233,9 +250,10 @@ class Build:
         if self.cfg.decontaminate.enabled:
             totals["decontaminated_by_task"] = self.decontaminated_by_task()
         m = Manifest(tokenizer=tinfo, sources=sources, mix=mix, build_stats=totals, validation=validation,
-                     build_config=cfgmod.to_plain(self.cfg),
+                     build_config=cfgmod.to_plain(self.cfg), chat_template=self.chat_template,
                      software={"smoltrain": _pkg_version("smoltrain"), "datatrove": _pkg_version("datatrove"),
                                "tokenizers": tokenizers.__version__})
+        m.format_version = m.needed_version()
         cfgmod.save(self.cfg, os.path.join(self.out, "build_config.yaml"))
         write_manifest(self.out, m)
         return m

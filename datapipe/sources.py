@@ -4,6 +4,12 @@ Every input file becomes one task (its rank is the file's position in the build'
 document order never depends on the number of workers). Bad records never stop a build: a malformed
 JSONL line, bytes that are not UTF-8, a missing or non-string text field, an empty or oversized
 document are written to `rejects/read/` with file, line and reason, and counted.
+
+A `format: chat` source is JSONL of conversations: each record is checked (`datapipe.chat`), its message
+contents normalised, and it is rendered by the source's chat template when read; the document's text is
+the rendered conversation (so dedup runs on it unchanged) and `metadata["loss_spans"]` holds the
+character spans that carry loss. A bad conversation is rejected with its reason code, counted as
+`dropped_read` and `dropped_read:<reason>`.
 """
 from __future__ import annotations
 
@@ -18,14 +24,16 @@ from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
-from datapipe.config import SourceConfig
+from datapipe.chat import ConversationError, render, validate_conversation
+from datapipe.config import NormalizeConfig, SourceConfig
+from datapipe.normalize import normalize_text
 
 
 @dataclass(frozen=True)
 class InputFile:
     source: str
     url: str
-    fmt: str  # jsonl | parquet | text
+    fmt: str  # jsonl | parquet | text | chat
 
 
 def _detect(url: str, fmt: str) -> str:
@@ -81,10 +89,12 @@ class SourceReader(PipelineStep):
     type = "📖 - READER"
 
     def __init__(self, files: list[InputFile], sources: dict[str, SourceConfig], rejects: str,
-                 max_chars: int):
+                 max_chars: int, normalize: NormalizeConfig | None = None, chat_template: str | None = None):
         super().__init__()
         self.files, self.sources, self.max_chars = files, sources, max_chars
         self.rejects = rejects
+        self.normalize, self.chat_template = normalize or NormalizeConfig(form="none", strip_control=False,
+                                                                          whitespace=False), chat_template
 
     def _reject_writer(self) -> JsonlWriter:
         return JsonlWriter(os.path.join(self.rejects, "read"), output_filename="${rank}.jsonl.gz")
@@ -93,9 +103,14 @@ class SourceReader(PipelineStep):
         f = self.files[rank]
         src = self.sources[f.source]
         with self._reject_writer() as rej:
-            for lineno, text, doc_id, err in self._records(f, src):
+            for lineno, text, doc_id, err, *extra in self._records(f, src):
                 self.stat_update("read")
                 meta = {"source": f.source, "file": f.url, "line": lineno}
+                if isinstance(err, ConversationError):
+                    self.stat_update(f"dropped_read:{err.reason}")
+                    err = str(err)
+                elif err is None and extra:
+                    meta.update(extra[0])
                 if err is None:
                     if not text.strip():
                         err = "empty document"
@@ -137,7 +152,32 @@ class SourceReader(PipelineStep):
                 except json.JSONDecodeError as e:
                     yield lineno, s, fallback_id, f"malformed JSON ({e.msg} at column {e.colno})"
                     continue
-                yield (lineno, *self._from_record(rec, src, fallback_id))
+                if f.fmt == "chat":
+                    yield (lineno, *self._from_chat(rec, src, fallback_id))
+                else:
+                    yield (lineno, *self._from_record(rec, src, fallback_id))
+
+    def _from_chat(self, rec, src: SourceConfig, fallback_id: str) -> tuple:
+        """(rendered text, id, None, {"loss_spans", "kind"}) or ("", id, ConversationError)."""
+        doc_id = fallback_id
+        if isinstance(rec, dict) and src.id_field and rec.get(src.id_field) is not None:
+            doc_id = f"{src.name}/{rec[src.id_field]}"
+        try:
+            msgs = validate_conversation(rec, train_on=src.chat.train_on)
+        except ConversationError as e:
+            return json.dumps(rec, ensure_ascii=False)[:10_000], doc_id, e
+        for m in msgs:
+            for k in ("content", "reasoning_content"):
+                if k in m:
+                    m[k] = normalize_text(m[k], self.normalize)
+        assert self.chat_template is not None, "chat sources need the build's chat template"
+        try:
+            text, spans = render(self.chat_template, msgs, train_on=src.chat.train_on, **src.chat.template_vars)
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception or a bad value: one bad record
+            return "", doc_id, ConversationError("template_error", f"{type(e).__name__}: {e}")
+        if not any(b > a for a, b in spans):
+            return text, doc_id, ConversationError("no_loss_tokens", "the template marked no text for loss")
+        return text, doc_id, None, {"kind": "chat", "loss_spans": [list(sp) for sp in spans]}
 
     def _from_record(self, rec, src: SourceConfig, fallback_id: str) -> tuple[str, str, str | None]:
         if not isinstance(rec, dict):
@@ -177,10 +217,11 @@ def check_fields(files: list[InputFile], sources: dict[str, SourceConfig], probe
     (a wrong field name would otherwise reject every document one by one)."""
     checked: set[str] = set()
     for f in files:
-        if f.source in checked or f.fmt != "jsonl":
+        if f.source in checked or f.fmt not in ("jsonl", "chat"):
             continue
         checked.add(f.source)
         src = sources[f.source]
+        want = ("messages", "prompt") if f.fmt == "chat" else (src.text_field,)
         seen_fields: set[str] = set()
         n = 0
         with _open_binary(f.url) as fh:
@@ -192,10 +233,11 @@ def check_fields(files: list[InputFile], sources: dict[str, SourceConfig], probe
                 if isinstance(rec, dict):
                     n += 1
                     seen_fields.update(rec)
-                    if src.text_field in rec:
+                    if any(k in rec for k in want):
                         break
                 if n >= probe:
                     break
-        if n and src.text_field not in seen_fields:
-            raise KeyError(f"source {f.source!r}: text field {src.text_field!r} not found in the first {n} records "
+        if n and not seen_fields & set(want):
+            what = "fields 'messages' or 'prompt'" if f.fmt == "chat" else f"text field {src.text_field!r}"
+            raise KeyError(f"source {f.source!r}: {what} not found in the first {n} records "
                            f"of {f.url} (fields there: {', '.join(sorted(seen_fields))})")

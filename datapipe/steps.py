@@ -14,12 +14,13 @@ import numpy as np
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
+from datapipe.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig, ValidationConfig
 from datapipe.dedup.exact import find_exact_duplicates
 from datapipe.dedup.minhash import resolve_clusters
 from datapipe.filters import build_filter, filter_label, word_tokenizer
 from datapipe.sources import InputFile
-from datapipe.tokenize import load_tokenizer, tokenizer_info, train_bpe, write_source
+from datapipe.tokenize import check_special_tokens, load_tokenizer, tokenizer_info, train_bpe, write_source
 from datapipe.workfiles import atomic_json, atomic_npy, load_npy
 from storage import config as cfgmod
 from storage.dataset import VALIDATION_PREFIX
@@ -126,7 +127,8 @@ class ClusterResolve(PipelineStep):
 
 
 class PrepareTokenizer(PipelineStep):
-    """Copies the configured tokenizer.json into the dataset, or trains a byte-level BPE on kept text."""
+    """Copies the configured tokenizer.json into the dataset, or trains a byte-level BPE on kept text
+    (with the chat template's control tokens as special tokens when there are chat sources)."""
 
     name = "🔤 tokenizer"
 
@@ -159,7 +161,14 @@ class PrepareTokenizer(PipelineStep):
             else:
                 atomic_write_bytes(self.out_path, load_tokenizer(tc.path).to_str().encode())
         else:
-            train_bpe(self._texts(), tc.vocab_size, tc.eos_token, self.out_path)
+            train_bpe(self._texts(), tc.vocab_size, tc.eos_token, self.out_path, self._special_tokens())
+        if self.cfg.chat_template:
+            check_special_tokens(load_tokenizer(self.out_path), self._special_tokens(), f"tokenizer {tc.path}")
+
+    def _special_tokens(self) -> list[str]:
+        """tokenizer.special_tokens, then the chat template's control tokens (single tokens in a trained BPE)."""
+        chat = template_special_tokens(load_template(self.cfg.chat_template)) if self.cfg.chat_template else []
+        return list(dict.fromkeys([*self.cfg.tokenizer.special_tokens, *chat]))
 
 
 class WriteShards(PipelineStep):

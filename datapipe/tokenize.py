@@ -5,6 +5,11 @@
 how many workers ran. It also makes the held-out validation split: a document is a candidate when the
 hash of (source, id) falls below `validation.fraction`; candidates with the smallest hashes go to
 `validation/SOURCE/` up to the caps, all other documents to `SOURCE/`.
+
+Rendered conversations (documents with `metadata["loss_spans"]`) are encoded with offsets, get no EOS
+(the template's end-of-turn token ends them) and a loss mask from their spans (`{rank}.mask.npy`); one
+longer than its source's `chat.max_tokens` is rejected (`too_long`, to `rejects/tokenize/`) or, with
+`chat.truncate`, cut and counted (`truncated`). Per-task counts go in `{rank}.docs.json`.
 """
 from __future__ import annotations
 
@@ -17,21 +22,25 @@ import xxhash
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
-from datapipe.config import ValidationConfig
+from datapipe.chat import token_mask
+from datapipe.config import ChatConfig, ValidationConfig
 from datapipe.workfiles import atomic_json, atomic_npy, read_json
 from storage.dataset import VALIDATION_PREFIX, SourceWriter
 from storage.manifest import SourceInfo, TokenizerInfo
 from storage.shards import dtype_for_vocab
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str, out_path: str) -> str:
-    """Train a byte-level BPE (GPT-2 style pre-tokenizer) on `texts`; save tokenizer.json; return its path."""
+def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str, out_path: str,
+              special_tokens: Iterable[str] = ()) -> str:
+    """Train a byte-level BPE (GPT-2 style pre-tokenizer) on `texts`; save tokenizer.json; return its path.
+    `special_tokens` (e.g. a chat template's control tokens) become single special tokens after EOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token], show_progress=False,
+    specials = list(dict.fromkeys([eos_token, *special_tokens]))
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
@@ -71,6 +80,16 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
         return False
 
 
+def check_special_tokens(tok, tokens: Iterable[str], where: str) -> None:
+    """A ConfigError naming every token of `tokens` that `tok` does not hold as one token."""
+    from storage.config import ConfigError
+
+    missing = [t for t in tokens if tok.token_to_id(t) is None]
+    if missing:
+        raise ConfigError(f"{where}: the tokenizer lacks the chat template's special tokens {missing} (add them "
+                          "as special tokens, or leave tokenizer.path empty to train one that has them)")
+
+
 def tokenizer_info(path: str, eos_token: str) -> TokenizerInfo:
     tok = load_tokenizer(path)
     eos = tok.token_to_id(eos_token)
@@ -89,10 +108,12 @@ class TokenizeStep(PipelineStep):
     name = "🔢 tokenize"
     type = "🔢 - TOKENIZER"
 
-    def __init__(self, tokenizer_path: str, eos_token: str, out_dir: str, batch_size: int = 256):
+    def __init__(self, tokenizer_path: str, eos_token: str, out_dir: str, batch_size: int = 256,
+                 chat: dict[str, ChatConfig] | None = None, rejects: str | None = None):
         super().__init__()
         self.tokenizer_path, self.eos_token = tokenizer_path, eos_token
         self.out_dir, self.batch_size = out_dir, batch_size
+        self.chat, self.rejects = chat or {}, rejects
         self._tok = None
 
     def __getstate__(self):
@@ -104,41 +125,78 @@ class TokenizeStep(PipelineStep):
         tok = self._tok
         eos = tok.token_to_id(self.eos_token)
         dtype = dtype_for_vocab(tok.get_vocab_size(with_added_tokens=True))
-        chunks, ids, lengths = [], [], []
+        chunks, masks, ids, lengths = [], [], [], []
+        counts: dict[str, int] = {}
         batch = []
+
+        def count(key: str, n: int = 1) -> None:
+            counts[key] = counts.get(key, 0) + n
+            self.stat_update(key, value=n)
 
         def flush():
             flat: list[int] = []
-            for doc, enc in zip(batch, tok.encode_batch_fast([d.text for d in batch], add_special_tokens=False)):
-                toks = enc.ids
-                flat += toks
-                flat.append(eos)
-                ids.append(doc.id)
-                lengths.append(len(toks) + 1)
+            chats = [d for d in batch if "loss_spans" in d.metadata]
+            if chats:  # all of a task's documents come from one source: chat or not
+                for doc, enc in zip(chats, tok.encode_batch([d.text for d in chats], add_special_tokens=False)):
+                    cfg = self.chat.get(doc.metadata.get("source"), ChatConfig())
+                    toks, mask = enc.ids, token_mask(enc, doc.metadata["loss_spans"], len(enc.ids))
+                    if len(toks) > cfg.max_tokens:
+                        if cfg.truncate and mask[:cfg.max_tokens].any():
+                            toks, mask = toks[:cfg.max_tokens], mask[:cfg.max_tokens]
+                            count("truncated")
+                        else:
+                            why = "; nothing to train on before the cut" if cfg.truncate else ""
+                            count("dropped_too_long")
+                            doc.metadata.update(filter="tokenize", filter_reason=f"too_long: {len(toks):,} tokens, "
+                                                f"more than chat.max_tokens={cfg.max_tokens:,}{why}")
+                            rej.write(doc, rank)
+                            continue
+                    flat += toks
+                    masks.append(mask)
+                    count("loss_tokens", int(mask.sum()))
+                    ids.append(doc.id)
+                    lengths.append(len(toks))
+            else:
+                for doc, enc in zip(batch, tok.encode_batch_fast([d.text for d in batch], add_special_tokens=False)):
+                    toks = enc.ids
+                    flat += toks
+                    flat.append(eos)
+                    ids.append(doc.id)
+                    lengths.append(len(toks) + 1)
             chunks.append(np.array(flat, dtype=dtype))  # one conversion per batch, not per document
             batch.clear()
 
-        for doc in data:
-            self.stat_update("documents")
-            batch.append(doc)
-            if len(batch) >= self.batch_size:
+        from datatrove.pipeline.writers.jsonl import JsonlWriter
+
+        rej_dir = self.rejects or os.path.join(self.out_dir, "rejects")
+        with JsonlWriter(os.path.join(rej_dir, "tokenize"), output_filename="${rank}.jsonl.gz") as rej:
+            for doc in data:
+                self.stat_update("documents")
+                batch.append(doc)
+                if len(batch) >= self.batch_size:
+                    flush()
+            if batch:
                 flush()
-        if batch:
-            flush()
         tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
         self.stat_update("tokens", value=len(tokens))
-        atomic_json(os.path.join(self.out_dir, f"{rank:05d}.docs.json"), {"ids": ids, "lengths": lengths})
+        atomic_json(os.path.join(self.out_dir, f"{rank:05d}.docs.json"),
+                    {"ids": ids, "lengths": lengths, "masked": bool(masks), "counts": counts})
+        if masks:
+            atomic_npy(os.path.join(self.out_dir, f"{rank:05d}.mask.npy"), np.concatenate(masks))
         atomic_npy(os.path.join(self.out_dir, f"{rank:05d}.tokens.npy"), tokens)
         return
         yield
 
 
-def iter_task_docs(token_dir: str, rank: int) -> Iterator[tuple[str, np.ndarray]]:
+def iter_task_docs(token_dir: str, rank: int) -> Iterator[tuple[str, np.ndarray, np.ndarray | None]]:
+    """(doc_id, tokens, loss mask or None) of one tokenize task's documents."""
     meta = read_json(os.path.join(token_dir, f"{rank:05d}.docs.json"))
     tokens = np.load(os.path.join(token_dir, f"{rank:05d}.tokens.npy"), allow_pickle=False)
+    masks = (np.load(os.path.join(token_dir, f"{rank:05d}.mask.npy"), allow_pickle=False)
+             if meta.get("masked") else None)
     off = 0
     for doc_id, n in zip(meta["ids"], meta["lengths"]):
-        yield doc_id, tokens[off:off + n]
+        yield doc_id, tokens[off:off + n], None if masks is None else masks[off:off + n]
         off += n
 
 
@@ -176,7 +234,8 @@ def select_validation(source: str, docs: Iterable[tuple[str, int]], cfg: Validat
 
 def write_source(dataset: str, source: str, ranks: list[int], token_dir: str, dtype: str, block_tokens: int,
                  shard_blocks: int, validation: ValidationConfig | None = None) -> tuple[SourceInfo, SourceInfo]:
-    """Pack one source's tokenized tasks, in rank order, into shards of format v1: (training, held-out)."""
+    """Pack one source's tokenized tasks, in rank order, into shards (format v2 blocks for conversations):
+    (training, held-out)."""
     cfg = validation or ValidationConfig(fraction=0.0)
     metas = [read_json(os.path.join(token_dir, f"{r:05d}.docs.json")) for r in ranks]
     held = select_validation(source, ((i, n) for m in metas for i, n in zip(m["ids"], m["lengths"])), cfg)
@@ -186,8 +245,8 @@ def write_source(dataset: str, source: str, ranks: list[int], token_dir: str, dt
     try:
         pos = 0
         for r in ranks:
-            for doc_id, toks in iter_task_docs(token_dir, r):
-                (val if pos in held else train).add_document(doc_id, toks)
+            for doc_id, toks, mask in iter_task_docs(token_dir, r):
+                (val if pos in held else train).add_document(doc_id, toks, mask)
                 pos += 1
     except BaseException:
         train.abort()

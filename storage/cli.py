@@ -26,13 +26,15 @@ def inspect(dataset: str, as_json: bool) -> None:
     m = read_manifest(dataset)
 
     def rows(sources):
-        return {n: {"shards": len(s.shards), "blocks": sum(x.blocks for x in s.shards), "documents": s.documents,
+        return {n: {"kind": s.kind, "shards": len(s.shards), "blocks": sum(x.blocks for x in s.shards),
+                    "documents": s.documents,
                     "tokens": s.tokens, "bytes": sum(x.bytes for x in s.shards)} for n, s in sources.items()}
 
     if as_json:
         click.echo(json.dumps({"dataset": dataset, "format_version": m.format_version,
                                "tokenizer": vars(m.tokenizer), "sources": rows(m.sources),
-                               "validation": rows(m.validation), "mix": [vars(p) for p in m.mix]}, indent=1))
+                               "validation": rows(m.validation), "mix": [vars(p) for p in m.mix],
+                               "chat_template": m.chat_template}, indent=1))
         return
     t = m.tokenizer
     click.echo(f"dataset   {dataset}  (format v{m.format_version})")
@@ -47,6 +49,10 @@ def inspect(dataset: str, as_json: bool) -> None:
     for name, r in rows(m.validation).items():
         click.echo(f"{'val/' + name:<16}{r['shards']:>8}{r['blocks']:>9}{r['documents']:>12,}"
                    f"{r['tokens']:>15,}{r['bytes'] / 2**20:>10.1f}")
+    chat = [n for n, s in m.sources.items() if s.kind == "chat"]
+    if chat:
+        click.echo(f"chat sources (loss-masked conversations): {', '.join(chat)}; chat template: "
+                   f"{len(m.chat_template or '')} characters of Jinja in the manifest")
     for ph in m.mix:
         w = ", ".join(f"{k}={v:g}" for k, v in ph.weights.items())
         click.echo(f"phase {ph.name}: {ph.tokens:,} tokens; weights {w}")
@@ -56,7 +62,7 @@ def inspect(dataset: str, as_json: bool) -> None:
 @click.argument("dataset")
 def verify(dataset: str) -> None:
     """Check every shard of DATASET (training and held-out validation): sha256, tar safety, LZ4 frames,
-    metadata, index and counts.
+    metadata, loss masks (format 2), index and counts.
 
     Exits non-zero at the first corrupt shard, naming it and the member."""
     m = Dataset.open(dataset).manifest
@@ -74,6 +80,9 @@ def verify(dataset: str) -> None:
                     keys.append(b.key)
                     if b.source != name:
                         raise ShardError(url, f"block says source {b.source!r}, manifest says {name!r}", b.key)
+                    if (b.mask is not None) != (src.kind == "chat"):
+                        raise ShardError(url, f"block {'has' if b.mask is not None else 'lacks'} a loss mask, but "
+                                         f"the manifest says source {name!r} is of kind {src.kind!r}", b.key)
                 if (blocks, docs, toks) != (sh.blocks, sh.documents, sh.tokens):
                     raise ShardError(url, f"counts (blocks, documents, tokens) = {(blocks, docs, toks)}, manifest "
                                      f"says {(sh.blocks, sh.documents, sh.tokens)}")

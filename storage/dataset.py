@@ -1,5 +1,6 @@
-"""Write one source's documents into blocks and shards of format v1; open a dataset for reading;
-read documents back in order (`iter_documents`, e.g. a source's held-out validation shards)."""
+"""Write one source's documents into blocks and shards of format v1 (or v2: conversations with loss
+masks); open a dataset for reading; read documents back in order (`iter_documents`, e.g. a source's
+held-out validation shards)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -26,7 +27,8 @@ class SourceWriter:
     """Packs whole documents (token arrays ending in EOS) into blocks of ~`block_tokens` tokens and
     rolls to a new shard after `shard_blocks` blocks. A document longer than a block gets a block
     of its own. With `prefix` the shards go to `PREFIX/SOURCE/` (e.g. the held-out validation split).
-    `close()` returns the source's manifest entry."""
+    Documents given with a loss mask (conversations) make format 2 blocks and a source of kind "chat";
+    a source's documents all have masks or none do. `close()` returns the source's manifest entry."""
 
     def __init__(self, dataset: str, source: str, dtype: str, block_tokens: int = 262_144,
                  shard_blocks: int = 64, first_shard: int = 0, prefix: str = ""):
@@ -39,14 +41,25 @@ class SourceWriter:
         self._writer: ShardWriter | None = None
         self._relpath = ""
         self._docs: list[np.ndarray] = []
+        self._masks: list[np.ndarray] = []
         self._ids: list[str] = []
         self._pending = 0
+        self._masked: bool | None = None  # set by the first document
 
-    def add_document(self, doc_id: str, tokens: np.ndarray) -> None:
+    def add_document(self, doc_id: str, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
         if len(tokens) == 0:
             raise ValueError(f"document {doc_id!r} has no tokens (EOS must be appended)")
+        if self._masked is None:
+            self._masked = mask is not None
+            self.info.kind = "chat" if self._masked else "text"
+        elif self._masked != (mask is not None):
+            raise ValueError(f"document {doc_id!r}: a source's documents must all have a loss mask or none")
+        if mask is not None and len(mask) != len(tokens):
+            raise ValueError(f"document {doc_id!r}: mask has {len(mask)} entries for {len(tokens)} tokens")
         if self._pending and self._pending + len(tokens) > self.block_tokens:
             self._flush_block()
+        if mask is not None:
+            self._masks.append(np.asarray(mask, dtype=np.uint8))
         self._docs.append(np.asarray(tokens))
         self._ids.append(str(doc_id))
         self._pending += len(tokens)
@@ -61,8 +74,9 @@ class SourceWriter:
             self._writer = ShardWriter(fs.join(self.dataset, self._relpath), self.dtype, self.source)
             self._next_shard += 1
         offsets = np.concatenate([[0], np.cumsum([len(d) for d in self._docs])]).tolist()
-        self._writer.add_block(np.concatenate(self._docs).astype(self.dtype, copy=False), self._ids, offsets)
-        self._docs, self._ids, self._pending = [], [], 0
+        mask = np.concatenate(self._masks) if self._masked else None
+        self._writer.add_block(np.concatenate(self._docs).astype(self.dtype, copy=False), self._ids, offsets, mask)
+        self._docs, self._masks, self._ids, self._pending = [], [], [], 0
         if len(self._writer.entries) >= self.shard_blocks:
             self._close_shard()
 
@@ -105,16 +119,17 @@ class Dataset:
         return cls(url, m, open_all(m.sources), open_all(m.validation))
 
 
-def iter_documents(dataset_url: str, shard_infos: Iterable[ShardInfo],
-                   verify: bool = True) -> Iterator[tuple[str, np.ndarray]]:
-    """iter_documents(dataset_url: str, shard_infos: Iterable[ShardInfo], verify: bool = True)
-    -> Iterator[tuple[str, np.ndarray]]
+def iter_documents(dataset_url: str, shard_infos: Iterable[ShardInfo], verify: bool = True,
+                   with_mask: bool = False) -> Iterator[tuple]:
+    """iter_documents(dataset_url: str, shard_infos: Iterable[ShardInfo], verify: bool = True,
+    with_mask: bool = False) -> Iterator[tuple[str, np.ndarray]]
 
     Every document of the given shards (paths relative to `dataset_url`), in shard, block and document
-    order, as `(doc_id, tokens)`; `tokens` ends with EOS and is a view into its decoded block (copy it
-    to keep it beyond the block). Blocks are range-read through each shard's index and checked (xxh3
-    of each block unless `verify=False`). For example, a source's held-out split:
-    `iter_documents(url, read_manifest(url).validation["web"].shards)`."""
+    order, as `(doc_id, tokens)`; `tokens` (ending with EOS, for pretraining sources) is a view into its
+    decoded block (copy it to keep it beyond the block). Blocks are range-read through each shard's index
+    and checked (xxh3 of each block unless `verify=False`). For example, a source's held-out split:
+    `iter_documents(url, read_manifest(url).validation["web"].shards)`. With `with_mask` it yields
+    `(doc_id, tokens, mask)`, `mask` the document's uint8 loss mask (format 2 blocks) or None."""
     for sh in shard_infos:
         reader = ShardReader(fs.join(dataset_url, sh.path))
         try:
@@ -122,6 +137,10 @@ def iter_documents(dataset_url: str, shard_infos: Iterable[ShardInfo],
                 block = reader.read_block(k, verify=verify)
                 offs = block.offsets
                 for i, doc_id in enumerate(block.doc_ids):
-                    yield doc_id, block.tokens[offs[i]:offs[i + 1]]
+                    if with_mask:
+                        m = None if block.mask is None else block.mask[offs[i]:offs[i + 1]]
+                        yield doc_id, block.tokens[offs[i]:offs[i + 1]], m
+                    else:
+                        yield doc_id, block.tokens[offs[i]:offs[i + 1]]
         finally:
             reader.close()

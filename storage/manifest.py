@@ -1,5 +1,5 @@
 """Dataset `manifest.json`: tokenizer, shards per source with checksums, held-out validation shards,
-build stats, mix schedule."""
+build stats, mix schedule; for conversation data (format 2) each source's kind and the chat template."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,9 @@ from storage import fs
 from storage.config import ConfigError
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # newest: 2 when any source holds conversations (blocks with loss masks); 1 otherwise
+SUPPORTED_VERSIONS = (1, 2)
+SOURCE_KINDS = ("text", "chat")
 
 
 @dataclass
@@ -41,6 +43,7 @@ class SourceInfo:
     documents: int = 0
     tokens: int = 0
     stats: dict[str, int] = field(default_factory=dict)  # read, dropped per filter, duplicates, ...
+    kind: str = "text"  # text: pretraining documents ending in EOS; chat: conversations with loss masks
 
 
 @dataclass
@@ -56,18 +59,31 @@ class Manifest:
     tokenizer: TokenizerInfo
     sources: dict[str, SourceInfo]
     mix: list[Phase] = field(default_factory=list)
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1  # see `needed_version`
     build_stats: dict[str, Any] = field(default_factory=dict)
     build_config: dict[str, Any] = field(default_factory=dict)
     software: dict[str, str] = field(default_factory=dict)
     # Held-out split per source (`validation/SOURCE/shard-*.tar`); never in the mix or the training
     # loader. Optional: manifests written before it existed load with none.
     validation: dict[str, SourceInfo] = field(default_factory=dict)
+    # Jinja text of the chat template the conversations were rendered with (format 2; None without chat
+    # sources), for generation and the HF export.
+    chat_template: str | None = None
+
+    def needed_version(self) -> int:
+        """2 when any source (or held-out split) holds conversations, else 1."""
+        return 2 if any(s.kind == "chat" for s in [*self.sources.values(), *self.validation.values()]) else 1
 
     def validate(self) -> None:
-        if self.format_version != FORMAT_VERSION:
+        if self.format_version not in SUPPORTED_VERSIONS:
             raise ConfigError(f"format_version {self.format_version} is not supported (this reader knows "
-                              f"{FORMAT_VERSION})")
+                              f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
+        for name, src in [*self.sources.items(), *self.validation.items()]:
+            if src.kind not in SOURCE_KINDS:
+                raise ConfigError(f"key 'sources.{name}.kind': expected one of {', '.join(SOURCE_KINDS)}, "
+                                  f"got {src.kind!r}")
+        if self.format_version < self.needed_version():
+            raise ConfigError(f"format_version {self.format_version}: chat sources need format_version 2")
         validate_mix(self.mix, self.sources)
         unknown = sorted(set(self.validation) - set(self.sources))
         if unknown:

@@ -1,4 +1,5 @@
-"""Writes one shard of format v1 (see `storage.shards`) and its DALI-style index, atomically."""
+"""Writes one shard of format v1, or v2 for blocks with a loss mask (see `storage.shards`), and its
+DALI-style index, atomically."""
 from __future__ import annotations
 
 import hashlib
@@ -12,8 +13,10 @@ import numpy as np
 import xxhash
 
 from storage import fs
-from storage.shards import (FORMAT_VERSION, INDEX_SUFFIX, META_EXT, TAR_BLOCK, TOKENS_EXT, IndexEntry,
-                            encode_tokens, parse_dtype)
+from storage.shards import (INDEX_SUFFIX, MASK_EXT, META_EXT, TAR_BLOCK, TOKENS_EXT, IndexEntry, encode_tokens,
+                            parse_dtype)
+
+_MASK_DTYPE = np.dtype(np.uint8)
 
 
 class _HashingWriter(io.RawIOBase):
@@ -64,21 +67,37 @@ class ShardWriter:
         self.documents = self.tokens = 0
         self._closed = False
 
-    def add_block(self, tokens: np.ndarray, doc_ids: list[str], offsets: list[int]) -> str:
+    def add_block(self, tokens: np.ndarray, doc_ids: list[str], offsets: list[int],
+                  mask: np.ndarray | None = None) -> str:
+        """Append one block; with `mask` (0/1 per token) it is a format 2 block with a `KEY.mask.lz4` member."""
         n = int(len(tokens))
         if len(offsets) != len(doc_ids) + 1 or offsets[0] != 0 or offsets[-1] != n:
             raise ValueError(f"offsets must have len(doc_ids)+1 entries from 0 to {n}")
-        key = f"{self.stem}_{len(self.entries):06d}"
+        mask_payload = None
+        head = {"format": 1, "source": self.source, "dtype": self.dtype.name, "n_tokens": n}
         payload = encode_tokens(tokens, self.dtype, self.compression_level)
-        meta = json.dumps({"format": FORMAT_VERSION, "source": self.source, "dtype": self.dtype.name,
-                           "n_tokens": n, "xxh3_64": xxhash.xxh3_64_hexdigest(payload),
-                           "doc_ids": [str(d) for d in doc_ids],
+        head["xxh3_64"] = xxhash.xxh3_64_hexdigest(payload)
+        if mask is not None:
+            m = np.asarray(mask)
+            if m.shape != (n,):
+                raise ValueError(f"mask has shape {m.shape}, expected ({n},) (one entry per token)")
+            if n and (int(m.min()) < 0 or int(m.max()) > 1):
+                raise ValueError("mask values must be 0 or 1")
+            mask_payload = encode_tokens(m, _MASK_DTYPE, self.compression_level)
+            head["format"] = 2
+            head["mask_xxh3_64"] = xxhash.xxh3_64_hexdigest(mask_payload)
+        key = f"{self.stem}_{len(self.entries):06d}"
+        meta = json.dumps({**head, "doc_ids": [str(d) for d in doc_ids],
                            "offsets": [int(o) for o in offsets]}, separators=(",", ":")).encode()
         t_off = self._hw.tell()
         self._tar.addfile(_tarinfo(f"{key}.{TOKENS_EXT}", len(payload)), io.BytesIO(payload))
         m_off = self._hw.tell()
         self._tar.addfile(_tarinfo(f"{key}.{META_EXT}", len(meta)), io.BytesIO(meta))
-        self.entries.append(IndexEntry(key, t_off, len(payload), m_off, len(meta)))
+        k_off, k_size = -1, 0
+        if mask_payload is not None:
+            k_off, k_size = self._hw.tell(), len(mask_payload)
+            self._tar.addfile(_tarinfo(f"{key}.{MASK_EXT}", k_size), io.BytesIO(mask_payload))
+        self.entries.append(IndexEntry(key, t_off, len(payload), m_off, len(meta), k_off, k_size))
         self.block_tokens.append(n)
         self.documents += len(doc_ids)
         self.tokens += n
@@ -92,8 +111,11 @@ class ShardWriter:
         lines = [f"v1.2 {len(self.entries)}"]
         for e in self.entries:
             # DALI's v1.2 index holds data offsets; IndexEntry keeps header offsets (one block before).
-            lines.append(f"{TOKENS_EXT} {e.tokens_offset + TAR_BLOCK} {e.tokens_size} {e.key}.{TOKENS_EXT} "
-                         f"{META_EXT} {e.meta_offset + TAR_BLOCK} {e.meta_size} {e.key}.{META_EXT}")
+            line = (f"{TOKENS_EXT} {e.tokens_offset + TAR_BLOCK} {e.tokens_size} {e.key}.{TOKENS_EXT} "
+                    f"{META_EXT} {e.meta_offset + TAR_BLOCK} {e.meta_size} {e.key}.{META_EXT}")
+            if e.mask_offset >= 0:
+                line += f" {MASK_EXT} {e.mask_offset + TAR_BLOCK} {e.mask_size} {e.key}.{MASK_EXT}"
+            lines.append(line)
         return "\n".join(lines) + "\n"
 
     def close(self) -> dict:

@@ -1,11 +1,14 @@
-"""Shard format v1: tar files of LZ4-compressed token blocks, their index, and safe readers.
+"""Shard formats v1 and v2: tar files of LZ4-compressed token blocks, their index, and safe readers.
 
-This module is the format and its readers; `storage.shard_writer` writes shards. A shard is a plain
+This module is the format and its readers (the per-block codec lives in `storage.blocks`, re-exported
+here); `storage.shard_writer` writes shards. A shard is a plain
 ustar tar. Each sample is a block of whole documents, stored as two members:
-`KEY.tokens.lz4` (one LZ4 frame of a little-endian uint16/uint32 array; every document ends with EOS)
-and `KEY.json` (document ids, token offsets, source). `SHARD.tar.idx` lists member data offsets and
-sizes in DALI's webdataset index format (v1.2; DALI reads it as is), so one block can be range-read
-without a scan.
+`KEY.tokens.lz4` (one LZ4 frame of a little-endian uint16/uint32 array; pretraining documents end with
+EOS) and `KEY.json` (document ids, token offsets, source). Format v2 adds, for blocks that carry a loss
+mask (conversations), a third member `KEY.mask.lz4` (one LZ4 frame of a uint8 0/1 array, one per token)
+after the JSON, whose xxh3-64 is the JSON's `mask_xxh3_64`; blocks without a mask stay v1, byte for
+byte. `SHARD.tar.idx` lists member data offsets and sizes in DALI's webdataset index format (v1.2; DALI
+reads it as is), so one block can be range-read without a scan.
 """
 from __future__ import annotations
 
@@ -13,90 +16,54 @@ import hashlib
 import io
 import mmap
 import os
-import re
 import tarfile
 import threading
 import weakref
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-import lz4.frame
-import numpy as np
-import orjson
 
-from storage import codec, fs
+from storage import fs
+from storage.blocks import (  # noqa: F401 - the block codec, re-exported: `storage.shards` is the format's API
+    _LZ4_BLOCK_SIZE,
+    FORMAT_VERSION,
+    MASK_EXT,
+    META_EXT,
+    TOKENS_EXT,
+    Block,
+    ShardError,
+    decode_block,
+    decode_mask,
+    decode_tokens,
+    dtype_for_vocab,
+    encode_tokens,
+    parse_dtype,
+)
 
-FORMAT_VERSION = 1
-TOKENS_EXT = "tokens.lz4"
-META_EXT = "json"
 INDEX_SUFFIX = ".idx"
 TAR_BLOCK = 512
-# 1 MiB frame blocks decode fastest here; integrity comes from an xxh3-64 of the frame in the block's
-# JSON (about 5x cheaper than LZ4's own xxh32 content checksum, which would halve decode speed).
-_LZ4_BLOCK_SIZE = lz4.frame.BLOCKSIZE_MAX1MB
-
-
-class ShardError(ValueError):
-    """A shard that cannot be trusted: names the shard, the member and the byte offset."""
-
-    def __init__(self, shard: str, msg: str, member: str | None = None, offset: int | None = None):
-        where = shard
-        if member is not None:
-            where += f", member {member}"
-        if offset is not None:
-            where += f", offset {offset}"
-        super().__init__(f"{where}: {msg}")
-        self.shard, self.member, self.offset, self.msg = shard, member, offset, msg
-
-    def __reduce__(self):  # pickles with its fields (loader worker processes send it to the consumer)
-        return type(self), (self.shard, self.msg, self.member, self.offset)
-
-
-def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
-
-
-def parse_dtype(name: str) -> np.dtype:
-    if name not in ("uint16", "uint32"):
-        raise ValueError(f"token dtype must be uint16 or uint32, got {name!r}")
-    return np.dtype("<u2") if name == "uint16" else np.dtype("<u4")
-
-
-@dataclass
-class Block:
-    """One decoded sample: whole documents' tokens plus their ids and offsets (len(doc_ids) + 1)."""
-    key: str
-    tokens: np.ndarray
-    doc_ids: list[str]
-    offsets: list[int]
-    source: str
 
 
 @dataclass(frozen=True)
 class IndexEntry:
-    """Where one block's two members sit in its shard (header offsets, data sizes)."""
+    """Where one block's members sit in its shard (header offsets, data sizes); mask_offset -1: no mask."""
     key: str
     tokens_offset: int
     tokens_size: int
     meta_offset: int
     meta_size: int
+    mask_offset: int = -1
+    mask_size: int = 0
 
     @property
     def span(self) -> tuple[int, int]:
-        """(start, length) of one range read covering both members."""
-        start = min(self.tokens_offset, self.meta_offset)
-        end = max(self.tokens_offset + TAR_BLOCK + self.tokens_size, self.meta_offset + TAR_BLOCK + self.meta_size)
+        """(start, length) of one range read covering all members."""
+        parts = [(self.tokens_offset, self.tokens_size), (self.meta_offset, self.meta_size)]
+        if self.mask_offset >= 0:
+            parts.append((self.mask_offset, self.mask_size))
+        start = min(o for o, _ in parts)
+        end = max(o + TAR_BLOCK + n for o, n in parts)
         return start, end - start
-
-
-def encode_tokens(tokens: np.ndarray, dtype: np.dtype, compression_level: int = 0) -> bytes:
-    arr = np.ascontiguousarray(tokens)
-    if arr.dtype != dtype:
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > np.iinfo(dtype).max):
-            raise ValueError(f"token ids out of range for {dtype.name}")
-        arr = arr.astype(dtype)
-    return lz4.frame.compress(arr.tobytes(), compression_level=compression_level, block_size=_LZ4_BLOCK_SIZE,
-                              content_checksum=False)
 
 
 def parse_index(text: str, shard: str) -> list[IndexEntry]:
@@ -113,10 +80,11 @@ def parse_index(text: str, shard: str) -> list[IndexEntry]:
             raise ShardError(shard + INDEX_SUFFIX, f"line {lineno}: sample lacks a {TOKENS_EXT} or {META_EXT} member")
         key = comps[TOKENS_EXT][2][: -len(TOKENS_EXT) - 1]
         (t_off, t_size, _), (m_off, m_size, _) = comps[TOKENS_EXT], comps[META_EXT]
-        if t_off < TAR_BLOCK or m_off < TAR_BLOCK or t_off % TAR_BLOCK or m_off % TAR_BLOCK:
+        k_off, k_size, _ = comps.get(MASK_EXT, (TAR_BLOCK - 1, 0, ""))
+        if any(o < TAR_BLOCK or o % TAR_BLOCK for o in (t_off, m_off, *((k_off,) if MASK_EXT in comps else ()))):
             raise ShardError(shard + INDEX_SUFFIX, f"line {lineno}: member data offsets must be positive multiples "
                              f"of {TAR_BLOCK}")
-        entries.append(IndexEntry(key, t_off - TAR_BLOCK, t_size, m_off - TAR_BLOCK, m_size))
+        entries.append(IndexEntry(key, t_off - TAR_BLOCK, t_size, m_off - TAR_BLOCK, m_size, k_off - TAR_BLOCK, k_size))
     if int(lines[0].split()[1]) != len(entries):
         raise ShardError(shard + INDEX_SUFFIX, f"header says {lines[0].split()[1]} samples, found {len(entries)}")
     return entries
@@ -136,71 +104,6 @@ def check_member(shard: str, ti: tarfile.TarInfo, offset: int) -> None:
         raise ShardError(shard, "unsafe member: path traversal ('..')", name, offset)
     if "/" in name:
         raise ShardError(shard, "unsafe member: shard members must not contain directories", name, offset)
-
-
-_HEAD = re.compile(rb'"dtype":"(uint16|uint32)","n_tokens":(\d+),"xxh3_64":"([0-9a-f]{16})"')
-
-
-def _checked_tokens(shard: str, key: str, payload, dtype: np.dtype, n: int, digest: str, offset: int, verify: bool,
-                    out: np.ndarray | None) -> np.ndarray:
-    member = f"{key}.{TOKENS_EXT}"
-    if verify and codec.xxh3_64(payload) != int(digest, 16):
-        raise ShardError(shard, f"checksum mismatch: xxh3_64 of the LZ4 frame is not {digest} (corrupt block)",
-                         member, offset)
-    if out is None:
-        if n * dtype.itemsize > 255 * len(payload) + 64:  # beyond LZ4's best ratio: the count is corrupt
-            raise ShardError(shard, f"metadata says {n} tokens, more than a {len(payload)}-byte LZ4 frame can hold",
-                             f"{key}.{META_EXT}")
-        out = np.empty(n, dtype=dtype)
-    elif out.dtype != dtype or len(out) < n:
-        raise ShardError(shard, f"block holds {n} {dtype.name} tokens; expected at most {len(out)} {out.dtype.name} "
-                         "(the dataset's dtype and largest block)", f"{key}.{META_EXT}")
-    try:
-        size = codec.decompress_into(payload, out)
-    except codec.FrameError as e:
-        raise ShardError(shard, f"LZ4 frame does not decode ({e})", member, offset) from None
-    if size != n * dtype.itemsize:
-        raise ShardError(shard, f"decoded {size} bytes, metadata says {n} {dtype.name} tokens", member, offset)
-    return out[:n]
-
-
-def _parse_meta(shard: str, key: str, meta_bytes) -> tuple[dict, np.dtype, int, str]:
-    """(the JSON member, token dtype, token count, xxh3_64 hex digest), all checked."""
-    try:
-        meta = orjson.loads(meta_bytes)
-        dtype = parse_dtype(meta["dtype"])
-        doc_ids, offsets, n = meta["doc_ids"], meta["offsets"], int(meta["n_tokens"])
-        digest = meta["xxh3_64"]
-        int(digest, 16)
-    except (ValueError, KeyError, TypeError) as e:  # orjson.JSONDecodeError is a ValueError
-        raise ShardError(shard, f"bad block metadata: {e}", f"{key}.{META_EXT}") from None
-    if len(offsets) != len(doc_ids) + 1 or (offsets and (offsets[0] != 0 or offsets[-1] != n)):
-        raise ShardError(shard, "document offsets do not match the token count", f"{key}.{META_EXT}")
-    return meta, dtype, n, digest
-
-
-def decode_block(shard: str, key: str, payload: bytes | memoryview, meta_bytes: bytes | memoryview, offset: int,
-                 verify: bool = True) -> Block:
-    """Check and decode one block; `verify=False` skips the xxh3 check (the LZ4 decoder still runs)."""
-    meta, dtype, n, digest = _parse_meta(shard, key, meta_bytes)
-    tokens = _checked_tokens(shard, key, payload, dtype, n, digest, offset, verify, None)
-    return Block(key, tokens, meta["doc_ids"], meta["offsets"], meta.get("source", ""))
-
-
-def decode_tokens(shard: str, key: str, payload: bytes | memoryview, meta_bytes: bytes | memoryview, offset: int,
-                  out: np.ndarray) -> np.ndarray:
-    """The streaming loader's path: check and decode one block's tokens into `out` (C-contiguous, of the
-    block's dtype, long enough); returns the view of `out` that holds them.
-
-    Only dtype, n_tokens and xxh3_64 are needed. The writer puts them first in the JSON member, so they
-    come from its first bytes without parsing the document lists (which cost about as much as the
-    checksum); JSON in another layout takes the full parse."""
-    head = _HEAD.search(bytes(meta_bytes[:256]))
-    if head is None:
-        _, dtype, n, digest = _parse_meta(shard, key, meta_bytes)
-    else:
-        dtype, n, digest = parse_dtype(head[1].decode()), int(head[2]), head[3].decode()
-    return _checked_tokens(shard, key, payload, dtype, n, digest, offset, True, out)
 
 
 class _HashingReader(io.RawIOBase):
@@ -267,10 +170,10 @@ def _complete(url: str, key: str, members: dict[str, bytes], offset: int) -> Blo
     for ext in (TOKENS_EXT, META_EXT):
         if ext not in members:
             raise ShardError(url, f"sample {key} is missing its {ext} member", f"{key}.{ext}", offset)
-    extra = set(members) - {TOKENS_EXT, META_EXT}
+    extra = set(members) - {TOKENS_EXT, META_EXT, MASK_EXT}
     if extra:
         raise ShardError(url, f"sample {key} has unexpected members {sorted(extra)}", key, offset)
-    return decode_block(url, key, members[TOKENS_EXT], members[META_EXT], offset)
+    return decode_block(url, key, members[TOKENS_EXT], members[META_EXT], offset, mask_payload=members.get(MASK_EXT))
 
 
 _RELEASE_BYTES = 256 << 20
@@ -368,6 +271,11 @@ class ShardReader:
         """(LZ4 payload, JSON bytes) of block k, with both tar headers checked against the index.
 
         With `zero_copy` (local shards) the views point into the reader's memory map."""
+        return self.read_members(k, zero_copy)[:2]  # type: ignore[return-value]
+
+    def read_members(self, k: int, zero_copy: bool = False) -> tuple[memoryview, memoryview, memoryview | None]:
+        """(tokens LZ4 payload, JSON bytes, mask LZ4 payload or None) of block k in one range read, every
+        tar header checked against the index."""
         e = self.index[k]
         start, length = e.span
         try:
@@ -375,8 +283,10 @@ class ShardReader:
         except EOFError as err:
             raise ShardError(self.url, f"block {k} lies beyond the end of the file ({err})",
                              f"{e.key}.{TOKENS_EXT}", start) from None
+        mask = (self._member(buf, start, e.mask_offset, e.mask_size, f"{e.key}.{MASK_EXT}")
+                if e.mask_offset >= 0 else None)
         return (self._member(buf, start, e.tokens_offset, e.tokens_size, f"{e.key}.{TOKENS_EXT}"),
-                self._member(buf, start, e.meta_offset, e.meta_size, f"{e.key}.{META_EXT}"))
+                self._member(buf, start, e.meta_offset, e.meta_size, f"{e.key}.{META_EXT}"), mask)
 
     def _member(self, buf: bytes | memoryview, start: int, off: int, size: int, name: str) -> memoryview:
         """Check the member's ustar header against the index (name, regular file, size) and slice its data.
@@ -406,8 +316,9 @@ class ShardReader:
         return memoryview(buf)[rel + TAR_BLOCK: rel + TAR_BLOCK + size]
 
     def read_block(self, k: int, verify: bool = True) -> Block:
-        payload, meta = self.read_raw(k, zero_copy=True)
-        block = decode_block(self.url, self.index[k].key, payload, meta, self.index[k].tokens_offset, verify)
+        payload, meta, mask = self.read_members(k, zero_copy=True)
+        e = self.index[k]
+        block = decode_block(self.url, e.key, payload, meta, e.tokens_offset, verify, mask, e.mask_offset)
         self.release(k)
         return block
 
@@ -425,5 +336,5 @@ def scan_index(url: str) -> list[IndexEntry]:
     for key, comps in entries.items():
         if TOKENS_EXT not in comps or META_EXT not in comps:
             raise ShardError(url, f"sample {key} is missing a member", key)
-        out.append(IndexEntry(key, *comps[TOKENS_EXT], *comps[META_EXT]))
+        out.append(IndexEntry(key, *comps[TOKENS_EXT], *comps[META_EXT], *comps.get(MASK_EXT, (-1, 0))))
     return out

@@ -12,8 +12,9 @@ import importlib
 import inspect
 import re
 import sys
+import types
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from storage.config import _type_name
 
@@ -45,6 +46,15 @@ def _comments(cls: type) -> dict[str, str]:
     return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", src, re.M)}
 
 
+def _list_item(tp: Any) -> type | None:
+    """The dataclass of a `list[X]` or `list[X] | None` field, else None."""
+    args = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (Union, types.UnionType) else [tp]
+    if len(args) == 1 and get_origin(args[0]) is list:
+        (inner,) = get_args(args[0])[:1] or (None,)
+        return inner if dataclasses.is_dataclass(inner) else None
+    return None
+
+
 def _rows(cls: type, prefix: str, seen: set) -> list[str]:
     rows = []
     hints = get_type_hints(cls)
@@ -56,6 +66,9 @@ def _rows(cls: type, prefix: str, seen: set) -> list[str]:
         rows.append(f"| `{prefix}{f.name}` | {_type_name(tp)} | {_default(f)} | {doc} |")
         if dataclasses.is_dataclass(tp) and tp not in seen:
             rows += _rows(tp, f"{prefix}{f.name}.", seen | {tp})
+        item = _list_item(tp)
+        if item is not None and item not in seen:  # list of sections: keys of each item, e.g. sources.*.name
+            rows += _rows(item, f"{prefix}{f.name}.*.", seen | {item})
     return rows
 
 
