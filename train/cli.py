@@ -1,4 +1,4 @@
-"""The `train` command: launch (torchrun / Slurm), eval, estimate, plot, ckpt."""
+"""The `train` command: launch (torchrun / Slurm), eval, generate, estimate, plot, ckpt."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,7 +13,7 @@ from train.config import TrainConfig
 
 @click.group()
 def main() -> None:
-    """Megatron-core GPT training: launch, eval, estimate, plot, ckpt."""
+    """Megatron-core GPT training: launch, eval, generate, estimate, plot, ckpt."""
 
 
 @main.command()
@@ -25,10 +25,18 @@ def main() -> None:
 @click.option("--slurm", is_flag=True, help="Write RUN_DIR/train.sbatch instead of running.")
 @click.option("--submit", is_flag=True, help="With --slurm: submit the script with sbatch.")
 @click.option("--dry-run", is_flag=True, help="Validate, write the resolved config, print the torchrun command.")
-def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoint, slurm, submit, dry_run):
-    """Validate CONFIG and train: starts torchrun itself (one process per GPU, or --nproc on CPU)."""
+@click.option("--init", "init", default=None, metavar="CHECKPOINT",
+              help="Start from this checkpoint's weights (a step_… folder, or a run dir / checkpoints folder: its "
+              "newest): fresh optimizer, LR schedule and data, step 0; any TP/PP (resharded on load). Null model "
+              "shape keys are taken from it, set ones must match it. Sets the config key `init`. If RUN_DIR "
+              "already has a checkpoint, the run resumes from that instead (a restarted run continues).")
+def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoint, slurm, submit, dry_run, init):
+    """Validate CONFIG and train: starts torchrun itself (one process per GPU, or --nproc on CPU).
+    Auto-resume: a run whose RUN_DIR has a checkpoint continues from the newest one that verifies."""
     from train import launch as launcher
 
+    if init:
+        cfg.init = init
     if rdzv_endpoint:
         cfg.launch.rdzv_endpoint = rdzv_endpoint
     try:
@@ -146,6 +154,30 @@ def estimate(config_path, preset, overrides, gpus, mfu, no_flash):
     except cfgmod.ConfigError as e:
         raise click.UsageError(str(e)) from None
     click.echo(format_estimate(e, cfg))
+
+
+@main.command()
+@click.argument("model", metavar="CHECKPOINT|HF_FOLDER")
+@click.option("--chat", "prompt", required=True, help="The user message (with --no-chat: the raw prompt text).")
+@click.option("--system", default=None, help="A system message before the user's.")
+@click.option("--no-chat", is_flag=True, help="Use the text as is: no chat template.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sampling.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling (with --temperature).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+def generate(model, prompt, system, no_chat, max_new_tokens, temperature, top_p, seed):
+    """Talk to a model: render the chat template around --chat, generate (greedy by default) until the
+    template's end-of-turn token or EOS, print the reply. MODEL is a checkpoint (step_… folder, or a run
+    dir / checkpoints folder: its newest) or a Hugging Face folder. The template: the HF folder's (or an
+    imported checkpoint's) tokenizer_config, else the dataset manifest's chat_template, else ChatML."""
+    from train.generate import GenerateError, generate as gen
+
+    try:
+        out = gen(model, prompt, system=system, chat=not no_chat, max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_p=top_p, seed=seed)
+    except GenerateError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(out.text)
 
 
 @main.command()

@@ -25,7 +25,11 @@ def default_nproc() -> int:
 
 
 def prepare(cfg: TrainConfig, nproc: int, nnodes: int) -> Path:
-    """Validate for world = nproc × nnodes and the dataset; write RUN_DIR/config.yaml; return its path."""
+    """Validate for world = nproc × nnodes and the dataset; write RUN_DIR/config.yaml; return its path.
+    With `init`, the checkpoint is verified and the model shape taken from it first (in place)."""
+    from train.checkpoint.init_from import resolve as resolve_init
+
+    resolve_init(cfg)
     cfg.check_world(nproc * nnodes)
     cfg.check_data()
     run_dir = Path(cfg.run_dir)

@@ -10,7 +10,8 @@
   renamed, and then `latest` moves (`layout.py`); resume takes the newest one that verifies (`resume.py`).
 - Retention keeps the newest k, every K-th full one and the bases they need (`retention.py`); offload
   copies to an fsspec URL and deletes local copies only after the remote verifies (`offload.py`).
-- `train ckpt list|verify|export` (`cli.py`); export to a Hugging Face Llama folder (`export_hf.py`).
+- `train ckpt list|verify|export|import` (`cli.py`); export to a Hugging Face Llama folder (`export_hf.py`),
+  import from one (`import_hf.py`); `train launch --init` loads weights only (`init_from.py`).
 See docs/checkpoints.md.
 """
 from train.checkpoint.config import CheckpointConfig

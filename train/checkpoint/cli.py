@@ -1,4 +1,4 @@
-"""`train ckpt list|verify|export`: inspect, check and convert checkpoints (local folders or fsspec URLs)."""
+"""`train ckpt list|verify|export|import`: inspect, check and convert checkpoints (local folders or fsspec URLs)."""
 from __future__ import annotations
 
 import os
@@ -21,7 +21,7 @@ def _human(n: int) -> str:
 
 @click.group("ckpt")
 def ckpt() -> None:
-    """Checkpoints: list, verify, export to Hugging Face."""
+    """Checkpoints: list, verify, export to / import from Hugging Face."""
 
 
 @ckpt.command("list")
@@ -84,3 +84,22 @@ def export_cmd(checkpoint: str, out_dir: str, tokenizer: str | None, num_heads: 
     cfg = export(checkpoint, out_dir, tokenizer, {"num_heads": num_heads, "num_kv_heads": num_kv_heads})
     click.echo(f"exported {cfg['smoltrain_checkpoint']['name']} ({cfg['num_hidden_layers']} layers, "
                f"hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}) to {out_dir}")
+
+
+@ckpt.command("import")
+@click.argument("hf_folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("out_dir")
+def import_cmd(hf_folder: str, out_dir: str) -> None:
+    """Turn a Hugging Face Llama folder (config.json, model.safetensors or sharded safetensors + index)
+    into a checkpoint OUT_DIR/step_00000000 that `train eval`, `train ckpt export`, `train generate` and
+    `train launch --init` accept. It records the model config and carries the tokenizer files (with the
+    chat template). Refused, naming the field: other model types, rope scaling, biases, head_dim other than
+    hidden / heads."""
+    from train.checkpoint.import_hf import import_folder
+    from train.checkpoint.layout import CheckpointError
+
+    try:
+        path = import_folder(hf_folder, out_dir)
+    except CheckpointError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"imported {hf_folder} to {path}")

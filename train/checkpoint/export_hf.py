@@ -9,6 +9,8 @@ renamed/split into Llama's layout:
   linear_qkv  [groups × (q_per_group + 2) × head_dim, h]  →  q_proj, k_proj, v_proj
   linear_fc1  [gate; up]                                   →  gate_proj, up_proj
 The padded vocabulary is kept (vocab_size in config.json is the padded size), so logits line up with ours.
+A checkpoint made by `train ckpt import` gets its carried tokenizer files back (import → export gives the
+original tensors, names and dtypes).
 """
 from __future__ import annotations
 
@@ -115,44 +117,87 @@ def model_shape(manifest: dict, overrides: dict | None = None) -> dict:
     return ModelConfig(**{k: v for k, v in meta.items() if k in known}).resolved().__dict__
 
 
-def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides: dict | None = None,
-           eos_token: str | None = None) -> dict:
-    """Write the HF folder; returns the config written. The EOS token (also BOS and padding) is `eos_token`,
-    else the EOS of the dataset the tokenizer belongs to, else the tokenizer's only special token."""
-    from safetensors.torch import save_file
-
-    from storage.fs import read_bytes
-    from train.checkpoint.hf_tokenizer import resolve_eos, write_tokenizer_files
-
-    tensors, m = load_model_tensors(ckpt_dir)
-    s = model_shape(m, overrides)
-    hf = to_llama(tensors, s["num_heads"], s["num_kv_heads"])
+def hf_config(hf: dict[str, torch.Tensor], s: dict, m: dict) -> dict:
+    """config.json of the Llama folder for Llama-named tensors `hf`, model shape `s`, manifest `m`."""
     emb = hf["model.embed_tokens.weight"]
-    tied = "lm_head.weight" not in hf
-    config = {
+    return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": emb.shape[1], "intermediate_size": hf["model.layers.0.mlp.gate_proj.weight"].shape[0],
         "num_hidden_layers": sum(1 for k in hf if k.endswith("q_proj.weight")),
         "num_attention_heads": s["num_heads"], "num_key_value_heads": s["num_kv_heads"],
         "head_dim": emb.shape[1] // s["num_heads"], "vocab_size": emb.shape[0],
         "max_position_embeddings": s["max_position_embeddings"], "rms_norm_eps": s["norm_eps"],
-        "rope_theta": float(s["rope_theta"]), "tie_word_embeddings": tied, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": str(emb.dtype).removeprefix("torch."),
+        "rope_theta": float(s["rope_theta"]), "tie_word_embeddings": "lm_head.weight" not in hf,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": str(emb.dtype).removeprefix("torch."),
         "smoltrain_checkpoint": {"name": m["name"], "step": m["step"], "kind": m["kind"]},
     }
+
+
+def llama_weights(ckpt_dir: str, overrides: dict | None = None) -> tuple[dict, dict, dict]:
+    """(Llama-named tensors, config.json dict, manifest) of a checkpoint: what `export` writes, in memory
+    (`train generate` builds a transformers model from it)."""
+    tensors, m = load_model_tensors(ckpt_dir)
+    s = model_shape(m, overrides)
+    hf = to_llama(tensors, s["num_heads"], s["num_kv_heads"])
+    return hf, hf_config(hf, s, m), m
+
+
+def carried_dir(ckpt_dir: str, manifest: dict) -> str | None:
+    """The `hf/` folder an imported checkpoint carries (tokenizer and config files), if any."""
+    sub = ((manifest.get("meta") or {}).get("hf") or {}).get("dir")
+    path = os.path.join(os.path.abspath(ckpt_dir), sub) if sub else None
+    return path if path and os.path.isdir(path) else None
+
+
+def _copy_carried(src: str, out_dir: str) -> dict:
+    """Tokenizer files of an imported checkpoint, verbatim; returns the special token ids of its config."""
+    import shutil
+
+    from train.checkpoint.import_hf import CARRIED
+
+    for name in CARRIED:
+        if name != "config.json" and os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+    try:
+        with open(os.path.join(src, "config.json")) as f:
+            orig = json.load(f)
+    except FileNotFoundError:
+        return {}
+    return {k: orig[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if orig.get(k) is not None}
+
+
+def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides: dict | None = None,
+           eos_token: str | None = None) -> dict:
+    """Write the HF folder; returns the config written. The EOS token (also BOS and padding) is `eos_token`,
+    else the EOS of the dataset the tokenizer belongs to, else the tokenizer's only special token.
+    An imported checkpoint (train ckpt import) without a recorded dataset tokenizer gets its carried
+    tokenizer files back verbatim. The chat template of the tokenizer's dataset (manifest `chat_template`),
+    when known, goes into tokenizer_config.json."""
+    from safetensors.torch import save_file
+
+    from storage.fs import read_bytes
+    from train.checkpoint.hf_tokenizer import dataset_chat_template, resolve_eos, write_tokenizer_files
+
+    hf, config, m = llama_weights(ckpt_dir, overrides)
+    s = model_shape(m, overrides)
     os.makedirs(out_dir, exist_ok=True)
     tok = tokenizer or (m.get("meta") or {}).get("tokenizer")
+    carried = carried_dir(ckpt_dir, m)
     special = {}
     if tok:
         tok_bytes = read_bytes(tok)
         special = write_tokenizer_files(out_dir, tok_bytes, resolve_eos(tok_bytes, tok, eos_token),
-                                        s["max_position_embeddings"])
+                                        s["max_position_embeddings"], chat_template=dataset_chat_template(tok))
+    elif carried and eos_token is None:
+        special = _copy_carried(carried, out_dir)
     elif eos_token is not None:
         raise ValueError("an EOS token was given but there is no tokenizer to export (pass --tokenizer)")
     config.update(special)
     save_file(hf, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"_from_model_config": True, **special}, f, indent=1)
+    if not (carried and not tok and os.path.isfile(os.path.join(carried, "generation_config.json"))):
+        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+            json.dump({"_from_model_config": True, **special}, f, indent=1)
     return config

@@ -30,9 +30,8 @@ def _parents(url: str, levels: int = 4) -> list[str]:
     return out
 
 
-def dataset_eos_id(tokenizer_url: str) -> int | None:
-    """EOS id from the manifest of the dataset whose tokenizer file is `tokenizer_url` (None: no such
-    dataset next to it)."""
+def dataset_manifest(tokenizer_url: str):
+    """The manifest of the dataset whose tokenizer file is `tokenizer_url` (None: no such dataset next to it)."""
     from storage.manifest import MANIFEST_NAME, read_manifest
 
     def norm(u: str) -> str:
@@ -47,8 +46,26 @@ def dataset_eos_id(tokenizer_url: str) -> int | None:
         except Exception:  # not a dataset (unreadable or another kind of manifest.json): keep looking
             continue
         if norm(fs.join(root, m.tokenizer.file)) == target:
-            return int(m.tokenizer.eos_id)
+            return m
     return None
+
+
+def dataset_eos_id(tokenizer_url: str) -> int | None:
+    """EOS id from the manifest of the dataset whose tokenizer file is `tokenizer_url` (None: no such
+    dataset next to it)."""
+    m = dataset_manifest(tokenizer_url)
+    return int(m.tokenizer.eos_id) if m is not None else None
+
+
+def dataset_chat_template(tokenizer_url: str) -> str | None:
+    """The chat template (Jinja) recorded in that dataset's manifest (`chat_template`), if any."""
+    m = dataset_manifest(tokenizer_url)
+    t = getattr(m, "chat_template", None) if m is not None else None
+    try:  # a built-in template's name (datapipe.chat) stands for its text
+        from datapipe.chat import BUILTIN_TEMPLATES
+    except ImportError:
+        BUILTIN_TEMPLATES = {}
+    return BUILTIN_TEMPLATES.get(t, t) if t else None
 
 
 def single_special_token(tok_json: dict) -> str | None:
@@ -82,9 +99,10 @@ def resolve_eos(tok_bytes: bytes, tokenizer_url: str | None, eos_token: str | No
 
 
 def write_tokenizer_files(out_dir: str, tok_bytes: bytes, eos: tuple[str, int] | None,
-                          model_max_length: int) -> dict:
-    """tokenizer.json, and with a known EOS tokenizer_config.json and special_tokens_map.json; returns the
-    special token ids for config.json / generation_config.json (empty without an EOS)."""
+                          model_max_length: int, chat_template: str | None = None) -> dict:
+    """tokenizer.json, and with a known EOS tokenizer_config.json (with `chat_template` when given) and
+    special_tokens_map.json; returns the special token ids for config.json / generation_config.json (empty
+    without an EOS)."""
     fs.atomic_write_bytes(os.path.join(out_dir, "tokenizer.json"), tok_bytes)
     if eos is None:
         for name in ("tokenizer_config.json", "special_tokens_map.json"):  # of an earlier export here
@@ -96,6 +114,8 @@ def write_tokenizer_files(out_dir: str, tok_bytes: bytes, eos: tuple[str, int] |
     config = {"tokenizer_class": TOKENIZER_CLASS, **special, "add_bos_token": False, "add_eos_token": False,
               "model_max_length": int(model_max_length), "clean_up_tokenization_spaces": False,
               "padding_side": "right"}
+    if chat_template:
+        config["chat_template"] = chat_template
     for name, data in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
         fs.atomic_write_bytes(os.path.join(out_dir, name), (json.dumps(data, indent=1) + "\n").encode())
     return {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}

@@ -1,0 +1,103 @@
+"""The process `train ckpt import` starts: `python -m train.checkpoint.import_worker HF_FOLDER OUT_ROOT`.
+
+Builds the model (TP1 PP1, one gloo process) from the folder's config, copies the Hugging Face weights
+into its parameters, saves it with the trainer's CheckpointManager (a full, synchronous save at step 0,
+no optimizer), then adds the folder's tokenizer/config files under `hf/` to the committed checkpoint and
+its manifest. Prints the checkpoint path last. The CPU layer is installed at import and the work runs
+under the `__main__` guard, as for train.run (the checkpoint writer's helper process re-imports this).
+"""
+from train import cpu_compat
+
+cpu_compat.install()
+
+
+def _add_carried_files(ckpt: str, folder: str) -> list[str]:
+    """Copy the carried files into CKPT/hf/ and list them (size + xxh3_128) in its manifest."""
+    import json
+    import os
+    import shutil
+
+    import fsspec
+
+    from storage.fs import atomic_write_bytes
+    from train.checkpoint import layout
+    from train.checkpoint.import_hf import CARRIED, HF_DIR
+
+    os.makedirs(os.path.join(ckpt, HF_DIR), exist_ok=True)
+    m = layout.read_manifest(fsspec.filesystem("file"), ckpt)
+    names = []
+    for name in CARRIED:
+        src = os.path.join(folder, name)
+        if os.path.isfile(src):
+            dst = os.path.join(ckpt, HF_DIR, name)
+            shutil.copyfile(src, dst)
+            size, digest = layout.checksum_file(fsspec.filesystem("file"), dst, fsync=True)
+            m["files"][f"{HF_DIR}/{name}"] = {"size": size, "xxh3_128": digest}
+            names.append(name)
+    atomic_write_bytes(os.path.join(ckpt, layout.MANIFEST), json.dumps(m, indent=1).encode())
+    return names
+
+
+def main(argv: list[str]) -> int:
+    import os
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from train.checkpoint import CheckpointConfig, CheckpointManager, layout
+    from train.checkpoint.import_hf import HF_DIR, dtype_precision, load_tensors, megatron_params, read_config
+    from train.models import ModelConfig, build_model
+    from train.state import TrainState
+
+    folder, out_root = argv
+    shape = read_config(folder)
+    hf = load_tensors(folder)
+    dtype, precision = dtype_precision(hf)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(0)
+        mcfg = ModelConfig(**shape, init="megatron")
+        chunks = build_model(mcfg, bf16=dtype == "bfloat16")
+        if dtype == "bfloat16":  # as the trainer's bf16 runs: every parameter (norms too) in bf16
+            from megatron.core.transformer.module import Float16Module
+
+            chunks = [Float16Module(c.config, c).module for c in chunks]
+        params = dict(chunks[0].named_parameters())
+        values = megatron_params(hf, shape, list(params))
+        with torch.no_grad():
+            for name, p in params.items():
+                v = values[name]
+                if tuple(v.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: Hugging Face tensor has shape {tuple(v.shape)}, the model "
+                                     f"{tuple(p.shape)}")
+                p.copy_(v.to(p.dtype))
+        meta = {"model": shape, "precision": precision, "padded_vocab_size": mcfg.padded_vocab_size(1),
+                "seq_len": min(2048, shape["max_position_embeddings"]),
+                "hf": {"source": folder, "dtype": dtype, "dir": HF_DIR}}
+        cfg = CheckpointConfig(dir=out_root, async_save=False, full_every=0, incremental_every=0,
+                               keep_last=1_000_000)
+        mgr = CheckpointManager(cfg, out_root, meta=meta)
+        state = TrainState(model=chunks, optimizer=None, scheduler=None, loader=None)
+        mgr.maybe_save(state, force=True)
+        mgr.close()
+        if mgr.failed:
+            raise RuntimeError("; ".join(mgr.failed))
+        ckpt = os.path.join(out_root, layout.ckpt_name(0))
+        _add_carried_files(ckpt, folder)
+        print(ckpt, flush=True)
+        return 0
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,141 @@
+"""Start a run from an existing model's weights: `train launch CONFIG --init CHECKPOINT` (config key `init`).
+
+Weights only: the optimizer, LR schedule, loader and step start fresh. Any smoltrain checkpoint (full or
+incremental, any TP/PP layout, any precision: weights are cast to the run's) is resharded on load, like
+`train eval` does. Resume wins: the Trainer loads `init` only when the run has no checkpoint to resume
+from, so a restarted fine-tuning run continues rather than starting over.
+
+Before torchrun (`resolve`, from train.launch.prepare): the checkpoint must exist and verify (a run
+directory or checkpoints folder means its newest checkpoint that verifies); `init` becomes that step
+folder's absolute path, and the model shape comes from the checkpoint's recorded model config:
+
+- a shape key left null in the config (hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size,
+  vocab_size, max_position_embeddings, rope_theta, norm_eps) takes the checkpoint's value (the preset
+  does not apply to it); a key set in the config must equal the checkpoint's;
+- tie_embeddings and make_vocab_size_divisible_by take the checkpoint's value when the config leaves
+  their defaults (true, 128), and must equal it otherwise;
+- every disagreeing key is named in one error (`key 'model.hidden_size': 128 in the config, 64 in ...`);
+- the embedding rows at the run's TP (vocab padded to make_vocab_size_divisible_by × TP) must equal the
+  checkpoint's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import fsspec
+
+from storage.config import ConfigError
+from train.checkpoint import layout
+
+NULLABLE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+            "max_position_embeddings", "rope_theta", "norm_eps")
+DEFAULTED = {"tie_embeddings": True, "make_vocab_size_divisible_by": 128}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def find_checkpoint(path: str) -> str:
+    """The step folder `path` names (itself, or the newest verifying one of a run dir / checkpoints root),
+    verified (sizes and checksums, with its base). Raises ConfigError naming the problem."""
+    fs = fsspec.filesystem("file")
+    p = os.path.abspath(path.removeprefix("file://").rstrip("/"))
+    if not os.path.isdir(p):
+        raise ConfigError(f"key 'init': {path}: no such checkpoint folder")
+    if os.path.isfile(os.path.join(p, layout.MANIFEST)):
+        root, name = os.path.split(p)
+        problems = layout.verify(fs, root, name)
+        if problems:
+            raise ConfigError(f"key 'init': {p} does not verify: " + "; ".join(problems[:5]))
+        return p
+    root = os.path.join(p, "checkpoints") if os.path.isdir(os.path.join(p, "checkpoints")) else p
+    names = layout.checkpoint_names(fs, root)
+    for name in reversed(names):
+        if not layout.verify(fs, root, name):
+            return os.path.join(root, name)
+    raise ConfigError(f"key 'init': {path}: " + ("no checkpoint there verifies" if names else
+                                                 "not a checkpoint (no manifest.json) and holds no checkpoints"))
+
+
+def resolve(cfg) -> None:
+    """Validate cfg.init and fill the model shape from the checkpoint, in place (a TrainConfig)."""
+    if not cfg.init:
+        return
+    ckpt = find_checkpoint(cfg.init)
+    m = layout.read_manifest(fsspec.filesystem("file"), ckpt)
+    meta = m.get("meta") or {}
+    if "model" not in meta:
+        raise ConfigError(f"key 'init': {ckpt}: its manifest records no model config (meta.model)")
+    from train.models import ModelConfig
+
+    known = set(ModelConfig.__dataclass_fields__)
+    ck = ModelConfig(**{k: v for k, v in meta["model"].items() if k in known}).resolved()
+    model, updates, bad = cfg.model, {}, []
+    for k in NULLABLE:
+        mine, theirs = getattr(model, k), getattr(ck, k)
+        if mine is None:
+            updates[k] = theirs
+        elif mine != theirs:
+            bad.append((k, mine, theirs))
+    for k, default in DEFAULTED.items():
+        mine, theirs = getattr(model, k), getattr(ck, k)
+        if mine == default:
+            updates[k] = theirs
+        elif mine != theirs:
+            bad.append((k, mine, theirs))
+    if bad:
+        raise ConfigError("; ".join(f"key 'model.{k}': {a!r} in the config, {b!r} in the --init checkpoint {ckpt}"
+                                    for k, a, b in bad) + " (leave shape keys null to take the checkpoint's)")
+    cfg.model = dataclasses.replace(model, **updates)
+    cfg.init = ckpt
+    cfg.validate()
+    rows = meta.get("padded_vocab_size")
+    if rows is not None and cfg.model.padded_vocab_size(cfg.parallel.tp) != rows:
+        raise ConfigError(f"key 'parallel.tp': the embedding would have {cfg.model.padded_vocab_size(cfg.parallel.tp)} "
+                          f"rows at tp={cfg.parallel.tp} (vocab {cfg.model.vocab_size} padded to a multiple of "
+                          f"model.make_vocab_size_divisible_by × tp), the --init checkpoint {ckpt} has {rows}: "
+                          "choose a TP (or make_vocab_size_divisible_by) that gives the same padding")
+
+
+def _retype(sd: dict, dtype) -> None:
+    """Point the sharded state dict's tensors at empty ones of the checkpoint's dtype (loaded values are cast
+    into the parameters by load_state_dict)."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            _retype(v, dtype)
+        elif isinstance(v, ShardedTensor) and v.data.dtype != dtype:
+            v.data, v.dtype = torch.empty_like(v.data, dtype=dtype), dtype
+        elif isinstance(v, ShardedTensorFactory) and v.data.dtype != dtype:
+            v.data = torch.empty_like(v.data, dtype=dtype)
+
+
+def load_weights(model: list, optimizer, ckpt: str) -> dict:
+    """Load the model weights of checkpoint folder `ckpt` into `model` (chunks, wrapped or not) under this
+    process's TP/PP layout; the optimizer's main parameters (bf16 runs) are refreshed from them. Returns
+    the checkpoint's manifest. Collective: every rank calls it."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+
+    from train.checkpoint.state_io import model_key
+    from train.checkpoint.strategies import DeltaAwareLoadStrategy
+
+    root, name = os.path.split(os.path.abspath(ckpt.rstrip("/")))
+    m = layout.read_manifest(fsspec.filesystem("file"), ckpt)
+    base = m.get("base") or name
+    strategy = DeltaAwareLoadStrategy(os.path.join(root, base), ckpt if m["kind"] == "incremental" else None)
+    chunks = unwrap_model(model)
+    sd = {model_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
+    dtype = getattr(torch, _DTYPES.get((m.get("meta") or {}).get("precision", "fp32"), "float32"))
+    _retype(sd, dtype)
+    try:
+        loaded = dist_checkpointing.load(sd, ckpt, sharded_strategy=strategy)
+    except Exception as e:
+        raise layout.CheckpointError(f"{ckpt}: loading its weights failed: {e}") from e
+    for i, c in enumerate(chunks):
+        c.load_state_dict(loaded[model_key(i, len(chunks))], strict=True)
+    if optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()
+    return m
