@@ -14,6 +14,8 @@ import sysconfig
 
 from datapipe.config import BuildConfig, FilterSpec, MixConfig, PhaseSpec, SourceConfig, TokenizerConfig
 
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")  # reserved in the demo tokenizer for the SFT stage
+
 
 def _stdlib_docs(limit: int) -> list[dict]:
     root = sysconfig.get_paths()["stdlib"]
@@ -53,7 +55,8 @@ def _topics() -> list[dict]:
 def demo_config(output: str, limit: int = 400, base: BuildConfig | None = None) -> BuildConfig:
     """Write the demo corpus under OUTPUT/_demo_input and return a build config over it: `base` (the
     command line's config, e.g. `--set validation.fraction=0.02`) with the demo's sources, and its
-    tokenizer and mix where `base` leaves them at their defaults."""
+    tokenizer (ChatML's control tokens reserved, for the SFT stage) and mix where `base` leaves them at
+    their defaults."""
     src_dir = os.path.join(output, "_demo_input")
     os.makedirs(src_dir, exist_ok=True)
     for name, docs in (("stdlib", _stdlib_docs(limit)), ("topics", _topics())):
@@ -67,7 +70,8 @@ def demo_config(output: str, limit: int = 400, base: BuildConfig | None = None) 
         base, output=output,
         sources=[SourceConfig("stdlib", [os.path.join(src_dir, "stdlib.jsonl")], filters=relaxed),
                  SourceConfig("topics", [os.path.join(src_dir, "topics.jsonl")], filters=relaxed)],
-        tokenizer=TokenizerConfig(vocab_size=4096) if base.tokenizer == TokenizerConfig() else base.tokenizer,
+        tokenizer=TokenizerConfig(vocab_size=4096, special_tokens=list(CHATML_TOKENS))
+        if base.tokenizer == TokenizerConfig() else base.tokenizer,
         mix=base.mix if base.mix.phases else MixConfig(phases=[
             PhaseSpec("stable", {"stdlib": 0.7, "topics": 0.3}, fraction=0.8),
             PhaseSpec("decay", {"stdlib": 0.5, "topics": 0.5}, fraction=0.2)]),

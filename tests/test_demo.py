@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_demo_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    res = subprocess.run([sys.executable, "-m", "tools.demo", "--out", str(out), "--steps", "30"], cwd=REPO,
+    res = subprocess.run([sys.executable, "-m", "tools.demo", "--out", str(out), "--steps", "30", "--sft-epochs", "0.2"], cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     assert "resumed at step 20" in res.stdout + res.stderr
@@ -48,6 +48,13 @@ def test_demo_runs_end_to_end(tmp_path):
     (t,) = bench["targets"]
     assert t["target"] == str(out / "run") and t["kind"] == "local"
     reads = [p for p in t["results"] if p["test"] == "seq_read"]
+    # 8/9, 9/9: the chat dataset (format 2, masks), SFT from the pretrained checkpoint, a chat reply
+    chat = json.loads((out / "chat" / "manifest.json").read_text())
+    assert chat["format_version"] == 2 and chat["sources"]["qa"]["kind"] == "chat"
+    sft = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("event") == "init" for r in sft)
+    assert [r for r in sft if "loss" in r][-1]["packing_efficiency"] > 0.9
+    assert "train generate --chat" in res.stdout
     assert reads and all(p["ops"] > 0 and p["gib_per_s"] > 0 for p in reads)
     assert "Outputs:" in res.stdout
 

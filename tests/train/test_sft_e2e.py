@@ -28,7 +28,7 @@ def chat_ds(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("chat")
     src = tmp / "chat.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in chat_docs(300)))
-    cfg = {"output": str(tmp / "ds"), "tokenizer": {"vocab_size": 1024},
+    cfg = {"output": str(tmp / "ds"), "tokenizer": {"vocab_size": 1024}, "validation": {"fraction": 0.1},
            "sources": [{"name": "qa", "paths": [str(src)], "format": "chat", "chat": {"max_tokens": SEQ}}]}
     (tmp / "build.yaml").write_text(yaml.safe_dump(cfg))
     log = tmp / "log.txt"
@@ -113,3 +113,27 @@ def test_sft_step_loss_equals_transformers_on_the_export(tmp_path, chat_ds):
                 count += int(mask.sum())
     assert rec["loss_tokens"] == count
     assert rec["loss"] == pytest.approx(total / count, rel=1e-5)
+
+    # train eval scores the SFT checkpoint's held-out conversations as SFT trains: masked, each alone
+    out = tmp_path / "eval"
+    cmd = [str(BIN / "train"), "eval", str(ckpt), "--tasks", "piqa", "--limit", "8", "--validation-tokens", "1500",
+           "--out", str(out)]
+    assert run_killable(cmd, log) == 0, log.read_text()[-3000:]
+    (res,) = [json.loads(p.read_text()) for p in out.glob("*.json")]
+    from storage.dataset import iter_documents
+    from storage.manifest import read_manifest
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for _, toks, mask in iter_documents(str(chat_ds), read_manifest(str(chat_ds)).validation["qa"].shards,
+                                            with_mask=True):
+            t = torch.as_tensor(toks.astype(np.int64))[:SEQ + 1]
+            m = torch.as_tensor(mask.astype(np.int64))[1:len(t)]
+            logits = model(t[None, :-1]).logits[0].double()
+            total += float((torch.nn.functional.cross_entropy(logits, t[1:], reduction="none") * m).sum())
+            count += int(m.sum())
+            if count >= 1500:
+                break
+    assert res["metrics"]["val/qa/tokens"] == count
+    assert res["metrics"]["val/qa/loss"] == pytest.approx(total / count, rel=1e-5)
+    assert "eval/piqa/acc_norm" in res["metrics"]

@@ -8,6 +8,9 @@ target tokens per source. The sequences depend only on the dataset, seq_len and 
 same checkpoint gives the same numbers under any parallel layout: each sequence's summed token loss is
 computed once (train.eval.scorer) and the sums are added in sequence order, over the global token count.
 
+A chat source (SFT data) is scored as it is trained: each held-out conversation in a row of its own,
+loss over the tokens its mask marks (assistant turns), until `validation_tokens` such tokens.
+
 Bits per byte divide the summed loss (in bits) by the UTF-8 bytes of the target tokens, so runs with
 different tokenizers compare. A byte-level BPE token's bytes are the characters of its vocabulary
 string; other tokenizers use the length of the decoded token; special tokens (EOS) count 0 bytes.
@@ -69,6 +72,10 @@ class ValidationSet:
         tbytes: dict[str, list[int]] = {}
         n_rows = max(1, tokens_per_source // seq_len)
         for source, info in man.validation.items():
+            if man.sources[source].kind == "chat":
+                rows[source], tbytes[source] = _conversation_rows(dataset, info.shards, seq_len, tokens_per_source,
+                                                                  nbytes)
+                continue
             need = n_rows * seq_len + 1
             parts, have = [], 0
             for _, toks in iter_documents(dataset, info.shards):
@@ -95,12 +102,12 @@ class ValidationSet:
         scores = scorer.score([self.rows[s][i] for s, i in flat])
         per: dict[str, list[float]] = {}
         for (s, i), sc in zip(flat, scores):
-            per.setdefault(s, []).append(sc[0])
+            per.setdefault(s, []).append(math.fsum(sc))
         out: dict[str, float] = {}
         tot_nats = tot_tokens = tot_bytes = 0.0
         for s, sums in per.items():
             nats = -math.fsum(sums)
-            tokens = sum(len(r.labels) for r in self.rows[s])
+            tokens = sum(e - a for r in self.rows[s] for a, e in r.spans)
             nbytes = sum(self.target_bytes[s])
             out.update(_summary(f"val/{s}", nats, tokens, nbytes))
             tot_nats += nats
@@ -109,6 +116,27 @@ class ValidationSet:
         if per:
             out.update(_summary("val/all", tot_nats, tot_tokens, tot_bytes))
         return out
+
+
+def _conversation_rows(dataset: str, shards, seq_len: int, budget: int, nbytes: np.ndarray):
+    """A chat source's held-out conversations, one row each (cut to seq_len + 1 tokens), scored on the
+    tokens their loss mask marks (what SFT trains on), until `budget` such tokens."""
+    from storage.dataset import iter_documents
+
+    rows, tbytes, have = [], [], 0
+    for _, toks, mask in iter_documents(dataset, shards, with_mask=True):
+        toks = np.asarray(toks, dtype=np.int64)[:seq_len + 1]
+        lab_mask = np.asarray(mask, dtype=bool)[1:len(toks)]
+        if len(toks) < 2 or not lab_mask.any():
+            continue
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], lab_mask.astype(np.int8), [0]])))
+        spans = [(int(a), int(e)) for a, e in zip(edges[::2], edges[1::2])]
+        rows.append(Row(toks[:-1].tolist(), toks[1:].tolist(), spans))
+        tbytes.append(int(nbytes[toks[1:][lab_mask]].sum()))
+        have += int(lab_mask.sum())
+        if have >= budget:
+            break
+    return rows, tbytes
 
 
 def _summary(prefix: str, nats: float, tokens: float, nbytes: float) -> dict[str, float]:
