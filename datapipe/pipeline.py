@@ -5,6 +5,8 @@ Stages (tasks): filter (one per input file) → exact (1) → signatures (one pe
 shards (one per source, which also splits off the held-out validation documents) → manifest.
 Chat sources are rendered by their template when read (see `datapipe.sources`), so every stage after
 that sees plain text; the tokenize stage adds their loss masks, and the manifest records the template.
+A preference pair is one document (both sides' text) until the tokenize stage splits it into its two
+sides, so dedup, decontamination and the validation split act on whole pairs (`datapipe.preference`).
 Task ranks are file positions in the global, priority-ordered file list, so outputs are identical for
 any worker count. Each stage logs completions under `WORK/logs/<stage>`; a rerun skips finished tasks
 (datatrove's `skip_completed`) and redoes the rest, giving the same bytes as an uninterrupted build.
@@ -151,7 +153,7 @@ class Build:
             tok_steps.append(Decontaminate(cfg.decontaminate, self.w("counts", "decontaminate"),
                                            rej("decontaminate")))
         tok_steps.append(TokenizeStep(tok_path, cfg.tokenizer.eos_token, self.w("tokens"), cfg.tokenizer.batch_size,
-                                      {s.name: s.chat for s in cfg.sources if s.is_chat}, self.rejects))
+                                      {s.name: s.chat for s in cfg.sources if s.is_templated}, self.rejects))
         stages.append(Stage("tokenize", tok_steps, F))
         return stages
 
@@ -209,9 +211,10 @@ class Build:
             add(st, "exact_duplicates", load_remove_count(self.w("exact_remove", f"{r:05d}.remove.npy"), "npy"))
             add(st, "near_duplicates", load_remove_count(self.w("minhash", "remove", f"{r:06d}.remove"), "raw"))
             add(st, "decontaminated", self._decont_counts(r).get("decontaminated", 0))
-            if self.srcmap[f.source].is_chat:
+            if self.srcmap[f.source].is_templated:
                 counts = read_json(self.w("tokens", f"{r:05d}.docs.json")).get("counts", {})
-                for k in ("dropped_too_long", "truncated", "loss_tokens"):
+                extra = ("dropped_prompt_too_long",) if self.srcmap[f.source].is_preference else ()
+                for k in ("dropped_too_long", "truncated", "loss_tokens", *extra):
                     add(st, k, counts.get(k, 0))
         return out
 
@@ -238,7 +241,9 @@ class Build:
             val = cfgmod.from_dict(SourceInfo, read_json(self.w("sources", f"{s.name}.validation.json")))
             info.stats = {**stats.get(s.name, {}), "documents": info.documents, "tokens": info.tokens,
                           "validation_documents": val.documents, "validation_tokens": val.tokens}
-            info.kind = val.kind = "chat" if s.is_chat else "text"
+            info.kind = val.kind = s.kind
+            if s.is_preference:  # documents are sides: two per pair
+                info.stats.update(pairs=info.documents // 2, validation_pairs=val.documents // 2)
             sources[s.name] = info
             if val.documents:
                 validation[s.name] = val

@@ -9,7 +9,8 @@ A `format: chat` source is JSONL of conversations: each record is checked (`data
 contents normalised, and it is rendered by the source's chat template when read; the document's text is
 the rendered conversation (so dedup runs on it unchanged) and `metadata["loss_spans"]` holds the
 character spans that carry loss. A bad conversation is rejected with its reason code, counted as
-`dropped_read` and `dropped_read:<reason>`.
+`dropped_read` and `dropped_read:<reason>`. A `format: preference` source is JSONL of preference pairs,
+read into one document per pair (`datapipe.preference`).
 """
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ from datatrove.pipeline.writers.jsonl import JsonlWriter
 from datapipe.chat import ConversationError, render, validate_conversation
 from datapipe.config import NormalizeConfig, SourceConfig
 from datapipe.normalize import normalize_text
+from datapipe.preference import read_pair
 
 
 @dataclass(frozen=True)
 class InputFile:
     source: str
     url: str
-    fmt: str  # jsonl | parquet | text | chat
+    fmt: str  # jsonl | parquet | text | chat | preference
 
 
 def _detect(url: str, fmt: str) -> str:
@@ -154,6 +156,8 @@ class SourceReader(PipelineStep):
                     continue
                 if f.fmt == "chat":
                     yield (lineno, *self._from_chat(rec, src, fallback_id))
+                elif f.fmt == "preference":
+                    yield (lineno, *self._from_preference(rec, src, fallback_id))
                 else:
                     yield (lineno, *self._from_record(rec, src, fallback_id))
 
@@ -178,6 +182,18 @@ class SourceReader(PipelineStep):
         if not any(b > a for a, b in spans):
             return text, doc_id, ConversationError("no_loss_tokens", "the template marked no text for loss")
         return text, doc_id, None, {"kind": "chat", "loss_spans": [list(sp) for sp in spans]}
+
+    def _from_preference(self, rec, src: SourceConfig, fallback_id: str) -> tuple:
+        """(chosen + rejected rendered text, pair id, None, metadata) or (record, id, ConversationError)."""
+        doc_id = fallback_id
+        if isinstance(rec, dict) and src.id_field and rec.get(src.id_field) is not None:
+            doc_id = f"{src.name}/{rec[src.id_field]}"
+        assert self.chat_template is not None, "preference sources need the build's chat template"
+        try:
+            text, meta = read_pair(rec, self.chat_template, src.chat, self.normalize)
+        except ConversationError as e:
+            return json.dumps(rec, ensure_ascii=False)[:10_000], doc_id, e
+        return text, doc_id, None, meta
 
     def _from_record(self, rec, src: SourceConfig, fallback_id: str) -> tuple[str, str, str | None]:
         if not isinstance(rec, dict):
@@ -217,11 +233,11 @@ def check_fields(files: list[InputFile], sources: dict[str, SourceConfig], probe
     (a wrong field name would otherwise reject every document one by one)."""
     checked: set[str] = set()
     for f in files:
-        if f.source in checked or f.fmt not in ("jsonl", "chat"):
+        if f.source in checked or f.fmt not in ("jsonl", "chat", "preference"):
             continue
         checked.add(f.source)
         src = sources[f.source]
-        want = ("messages", "prompt") if f.fmt == "chat" else (src.text_field,)
+        want = {"chat": ("messages", "prompt"), "preference": ("chosen",)}.get(f.fmt, (src.text_field,))
         seen_fields: set[str] = set()
         n = 0
         with _open_binary(f.url) as fh:
@@ -238,6 +254,7 @@ def check_fields(files: list[InputFile], sources: dict[str, SourceConfig], probe
                 if n >= probe:
                     break
         if n and not seen_fields & set(want):
-            what = "fields 'messages' or 'prompt'" if f.fmt == "chat" else f"text field {src.text_field!r}"
+            what = {"chat": "fields 'messages' or 'prompt'", "preference": "field 'chosen'"}.get(
+                f.fmt, f"text field {src.text_field!r}")
             raise KeyError(f"source {f.source!r}: {what} not found in the first {n} records "
                            f"of {f.url} (fields there: {', '.join(sorted(seen_fields))})")

@@ -10,6 +10,10 @@ Rendered conversations (documents with `metadata["loss_spans"]`) are encoded wit
 (the template's end-of-turn token ends them) and a loss mask from their spans (`{rank}.mask.npy`); one
 longer than its source's `chat.max_tokens` is rejected (`too_long`, to `rejects/tokenize/`) or, with
 `chat.truncate`, cut and counted (`truncated`). Per-task counts go in `{rank}.docs.json`.
+
+A preference pair (documents with `metadata["pair"]`) becomes two documents, `ID#chosen` then
+`ID#rejected` (`datapipe.preference.encode_pairs`; rejects `prompt_too_long` and `too_long`); the
+shard writer keeps the two in one block, and the validation split hashes the pair id.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from datatrove.pipeline.base import PipelineStep
 
 from datapipe.chat import token_mask
 from datapipe.config import ChatConfig, ValidationConfig
+from datapipe.preference import encode_pairs, pair_id
 from datapipe.workfiles import atomic_json, atomic_npy, read_json
 from storage.dataset import VALIDATION_PREFIX, SourceWriter
 from storage.manifest import SourceInfo, TokenizerInfo
@@ -127,6 +132,7 @@ class TokenizeStep(PipelineStep):
         dtype = dtype_for_vocab(tok.get_vocab_size(with_added_tokens=True))
         chunks, masks, ids, lengths = [], [], [], []
         counts: dict[str, int] = {}
+        is_pairs = False
         batch = []
 
         def count(key: str, n: int = 1) -> None:
@@ -134,9 +140,26 @@ class TokenizeStep(PipelineStep):
             self.stat_update(key, value=n)
 
         def flush():
+            nonlocal is_pairs
             flat: list[int] = []
             chats = [d for d in batch if "loss_spans" in d.metadata]
-            if chats:  # all of a task's documents come from one source: chat or not
+            if chats and "pair" in chats[0].metadata:  # all of a task's documents come from one source
+                is_pairs = True
+                for doc, res, cut in encode_pairs(tok, chats, self.chat):
+                    if not isinstance(res, list):
+                        count(f"dropped_{res.reason}")
+                        doc.metadata.update(filter="tokenize", filter_reason=str(res))
+                        rej.write(doc, rank)
+                        continue
+                    if cut:
+                        count("truncated")
+                    for side_id, toks, mask in res:
+                        flat += toks
+                        masks.append(mask)
+                        count("loss_tokens", int(mask.sum()))
+                        ids.append(side_id)
+                        lengths.append(len(toks))
+            elif chats:
                 for doc, enc in zip(chats, tok.encode_batch([d.text for d in chats], add_special_tokens=False)):
                     cfg = self.chat.get(doc.metadata.get("source"), ChatConfig())
                     toks, mask = enc.ids, token_mask(enc, doc.metadata["loss_spans"], len(enc.ids))
@@ -180,7 +203,7 @@ class TokenizeStep(PipelineStep):
         tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
         self.stat_update("tokens", value=len(tokens))
         atomic_json(os.path.join(self.out_dir, f"{rank:05d}.docs.json"),
-                    {"ids": ids, "lengths": lengths, "masked": bool(masks), "counts": counts})
+                    {"ids": ids, "lengths": lengths, "masked": bool(masks), "pairs": is_pairs, "counts": counts})
         if masks:
             atomic_npy(os.path.join(self.out_dir, f"{rank:05d}.mask.npy"), np.concatenate(masks))
         atomic_npy(os.path.join(self.out_dir, f"{rank:05d}.tokens.npy"), tokens)
@@ -235,18 +258,26 @@ def select_validation(source: str, docs: Iterable[tuple[str, int]], cfg: Validat
 def write_source(dataset: str, source: str, ranks: list[int], token_dir: str, dtype: str, block_tokens: int,
                  shard_blocks: int, validation: ValidationConfig | None = None) -> tuple[SourceInfo, SourceInfo]:
     """Pack one source's tokenized tasks, in rank order, into shards (format v2 blocks for conversations):
-    (training, held-out)."""
+    (training, held-out). A preference source's pairs (two consecutive documents) are held out by pair id
+    and written as groups, so both sides share a block and a split."""
     cfg = validation or ValidationConfig(fraction=0.0)
     metas = [read_json(os.path.join(token_dir, f"{r:05d}.docs.json")) for r in ranks]
-    held = select_validation(source, ((i, n) for m in metas for i, n in zip(m["ids"], m["lengths"])), cfg)
-    train = SourceWriter(dataset, source, dtype, block_tokens=block_tokens, shard_blocks=shard_blocks)
+    pairs = any(m.get("pairs") for m in metas)
+    docs = [(i, n) for m in metas for i, n in zip(m["ids"], m["lengths"])]
+    if pairs:
+        docs = [(pair_id(c[0]), c[1] + r[1]) for c, r in zip(docs[::2], docs[1::2])]
+    held = select_validation(source, docs, cfg)
+    kind = "preference" if pairs else None
+    train = SourceWriter(dataset, source, dtype, block_tokens=block_tokens, shard_blocks=shard_blocks, kind=kind)
     val = SourceWriter(dataset, source, dtype, block_tokens=block_tokens, shard_blocks=shard_blocks,
-                       prefix=VALIDATION_PREFIX)
+                       prefix=VALIDATION_PREFIX, kind=kind)
     try:
         pos = 0
         for r in ranks:
-            for doc_id, toks, mask in iter_task_docs(token_dir, r):
-                (val if pos in held else train).add_document(doc_id, toks, mask)
+            it = iter_task_docs(token_dir, r)
+            for doc in it:
+                group = [doc, next(it)] if pairs else [doc]
+                (val if pos in held else train).add_group(group)
                 pos += 1
     except BaseException:
         train.abort()

@@ -7,7 +7,7 @@ import click
 
 from storage import fs
 from storage.dataset import Dataset
-from storage.manifest import read_manifest
+from storage.manifest import MASKED_KINDS, read_manifest
 from storage.shards import ShardError, iter_shard, parse_index
 
 
@@ -53,6 +53,9 @@ def inspect(dataset: str, as_json: bool) -> None:
     if chat:
         click.echo(f"chat sources (loss-masked conversations): {', '.join(chat)}; chat template: "
                    f"{len(m.chat_template or '')} characters of Jinja in the manifest")
+    pref = [n for n, s in m.sources.items() if s.kind == "preference"]
+    if pref:
+        click.echo(f"preference sources (pairs: #chosen, #rejected documents): {', '.join(pref)}")
     for ph in m.mix:
         w = ", ".join(f"{k}={v:g}" for k, v in ph.weights.items())
         click.echo(f"phase {ph.name}: {ph.tokens:,} tokens; weights {w}")
@@ -80,7 +83,7 @@ def verify(dataset: str) -> None:
                     keys.append(b.key)
                     if b.source != name:
                         raise ShardError(url, f"block says source {b.source!r}, manifest says {name!r}", b.key)
-                    if (b.mask is not None) != (src.kind == "chat"):
+                    if (b.mask is not None) != (src.kind in MASKED_KINDS):
                         raise ShardError(url, f"block {'has' if b.mask is not None else 'lacks'} a loss mask, but "
                                          f"the manifest says source {name!r} is of kind {src.kind!r}", b.key)
                 if (blocks, docs, toks) != (sh.blocks, sh.documents, sh.tokens):

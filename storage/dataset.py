@@ -27,11 +27,13 @@ class SourceWriter:
     """Packs whole documents (token arrays ending in EOS) into blocks of ~`block_tokens` tokens and
     rolls to a new shard after `shard_blocks` blocks. A document longer than a block gets a block
     of its own. With `prefix` the shards go to `PREFIX/SOURCE/` (e.g. the held-out validation split).
-    Documents given with a loss mask (conversations) make format 2 blocks and a source of kind "chat";
-    a source's documents all have masks or none do. `close()` returns the source's manifest entry."""
+    Documents given with a loss mask (conversations) make format 2 blocks and a source of kind "chat"
+    (or `kind`, e.g. "preference"); a source's documents all have masks or none do. `add_group` adds
+    documents that must share a block (a preference pair's two sides). `close()` returns the source's
+    manifest entry."""
 
     def __init__(self, dataset: str, source: str, dtype: str, block_tokens: int = 262_144,
-                 shard_blocks: int = 64, first_shard: int = 0, prefix: str = ""):
+                 shard_blocks: int = 64, first_shard: int = 0, prefix: str = "", kind: str | None = None):
         if block_tokens <= 0 or shard_blocks <= 0:
             raise ValueError("block_tokens and shard_blocks must be > 0")
         self.dataset, self.source, self.dtype, self.prefix = dataset, source, parse_dtype(dtype), prefix
@@ -45,24 +47,33 @@ class SourceWriter:
         self._ids: list[str] = []
         self._pending = 0
         self._masked: bool | None = None  # set by the first document
+        self._kind = kind
 
     def add_document(self, doc_id: str, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
-        if len(tokens) == 0:
-            raise ValueError(f"document {doc_id!r} has no tokens (EOS must be appended)")
-        if self._masked is None:
-            self._masked = mask is not None
-            self.info.kind = "chat" if self._masked else "text"
-        elif self._masked != (mask is not None):
-            raise ValueError(f"document {doc_id!r}: a source's documents must all have a loss mask or none")
-        if mask is not None and len(mask) != len(tokens):
-            raise ValueError(f"document {doc_id!r}: mask has {len(mask)} entries for {len(tokens)} tokens")
-        if self._pending and self._pending + len(tokens) > self.block_tokens:
+        self.add_group([(doc_id, tokens, mask)])
+
+    def add_group(self, docs) -> None:
+        """Add `docs`, a sequence of (doc_id, tokens, mask or None), to one block: the block being filled
+        when they all fit in it, else a new one (a group longer than a block gets a block of its own)."""
+        for doc_id, tokens, mask in docs:
+            if len(tokens) == 0:
+                raise ValueError(f"document {doc_id!r} has no tokens (EOS must be appended)")
+            if self._masked is None:
+                self._masked = mask is not None
+                self.info.kind = self._kind or ("chat" if self._masked else "text")
+            elif self._masked != (mask is not None):
+                raise ValueError(f"document {doc_id!r}: a source's documents must all have a loss mask or none")
+            if mask is not None and len(mask) != len(tokens):
+                raise ValueError(f"document {doc_id!r}: mask has {len(mask)} entries for {len(tokens)} tokens")
+        n = sum(len(t) for _, t, _ in docs)
+        if self._pending and self._pending + n > self.block_tokens:
             self._flush_block()
-        if mask is not None:
-            self._masks.append(np.asarray(mask, dtype=np.uint8))
-        self._docs.append(np.asarray(tokens))
-        self._ids.append(str(doc_id))
-        self._pending += len(tokens)
+        for doc_id, tokens, mask in docs:
+            if mask is not None:
+                self._masks.append(np.asarray(mask, dtype=np.uint8))
+            self._docs.append(np.asarray(tokens))
+            self._ids.append(str(doc_id))
+        self._pending += n
         if self._pending >= self.block_tokens:
             self._flush_block()
 

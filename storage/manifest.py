@@ -14,7 +14,8 @@ from storage.config import ConfigError
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 2  # newest: 2 when any source holds conversations (blocks with loss masks); 1 otherwise
 SUPPORTED_VERSIONS = (1, 2)
-SOURCE_KINDS = ("text", "chat")
+SOURCE_KINDS = ("text", "chat", "preference")
+MASKED_KINDS = ("chat", "preference")  # sources whose blocks carry loss masks (format 2)
 
 
 @dataclass
@@ -43,7 +44,9 @@ class SourceInfo:
     documents: int = 0
     tokens: int = 0
     stats: dict[str, int] = field(default_factory=dict)  # read, dropped per filter, duplicates, ...
-    kind: str = "text"  # text: pretraining documents ending in EOS; chat: conversations with loss masks
+    # text: pretraining documents ending in EOS; chat: conversations with loss masks; preference: pairs of
+    # documents `ID#chosen`, `ID#rejected` (masks on the completion), both sides in one block
+    kind: str = "text"
 
 
 @dataclass
@@ -71,8 +74,8 @@ class Manifest:
     chat_template: str | None = None
 
     def needed_version(self) -> int:
-        """2 when any source (or held-out split) holds conversations, else 1."""
-        return 2 if any(s.kind == "chat" for s in [*self.sources.values(), *self.validation.values()]) else 1
+        """2 when any source (or held-out split) holds conversations or preference pairs, else 1."""
+        return 2 if any(s.kind in MASKED_KINDS for s in [*self.sources.values(), *self.validation.values()]) else 1
 
     def validate(self) -> None:
         if self.format_version not in SUPPORTED_VERSIONS:
@@ -83,7 +86,7 @@ class Manifest:
                 raise ConfigError(f"key 'sources.{name}.kind': expected one of {', '.join(SOURCE_KINDS)}, "
                                   f"got {src.kind!r}")
         if self.format_version < self.needed_version():
-            raise ConfigError(f"format_version {self.format_version}: chat sources need format_version 2")
+            raise ConfigError(f"format_version {self.format_version}: chat and preference sources need format_version 2")
         validate_mix(self.mix, self.sources)
         unknown = sorted(set(self.validation) - set(self.sources))
         if unknown:

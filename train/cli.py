@@ -181,6 +181,49 @@ def generate(model, prompt, system, no_chat, max_new_tokens, temperature, top_p,
 
 
 @main.command()
+@click.argument("reference", metavar="REFERENCE_CKPT")
+@click.argument("dataset")
+@click.option("--nproc", type=int, default=1, show_default=True, help="Processes (world = TP × PP × DP).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key, e.g. parallel.tp=2 or precision=bf16 (repeatable).")
+def refs(reference, dataset, nproc, overrides):
+    """Compute the reference log-probs of every preference pair of DATASET (its training pairs and held-out
+    pairs) under REFERENCE_CKPT (any layout, resharded on load), once, and store them beside the dataset
+    (DATASET/refs/, keyed by the dataset's fingerprint and the checkpoint's hash; checksummed; an
+    interrupted pass resumes). A `objective: dpo` run then holds one model; it also computes them itself at
+    its first start when they are missing."""
+    import json
+    import os
+    import shlex
+    import subprocess
+    import tempfile
+
+    from storage import config as cfgmod
+    from storage.manifest import read_manifest
+    from train.checkpoint.init_from import resolve
+
+    sets = [f"data.dataset={dataset}", f"init={reference}", "objective=dpo", "parallel.micro_batch_size=1",
+            f"parallel.global_batch_size={nproc}", *overrides]
+    try:
+        cfg = cfgmod.load(TrainConfig, None, sets)
+        resolve(cfg)
+        cfg.check_world(nproc)
+        cfg = cfg.resolved_for_data()
+        splits = ["train"] + (["validation"] if read_manifest(dataset).validation else [])
+    except cfgmod.ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    with tempfile.TemporaryDirectory() as tmp:
+        cfgmod.save(cfg, os.path.join(tmp, "config.yaml"))
+        spec = os.path.join(tmp, "spec.json")
+        with open(spec, "w") as f:
+            json.dump({"config": os.path.join(tmp, "config.yaml"), "reference": cfg.init, "splits": splits}, f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "train.refs", spec]
+        click.echo("+ " + shlex.join(cmd))
+        sys.exit(subprocess.call(cmd))
+
+
+@main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="PNG path (default RUN_DIR/metrics.png).")
 def plot(run_dir, out):

@@ -16,6 +16,7 @@ from storage.loader.config import LoaderConfig
 from train.checkpoint.config import CheckpointConfig
 from train.eval.config import EvalConfig
 from train.models import ModelConfig
+from train.preference import DPOConfig
 
 
 @dataclass
@@ -152,8 +153,9 @@ class TrainConfig:
     seed: int = 1234                 # model seed; the data seed is data.seed (shared by DP ranks)
     # pretrain: next-token loss on every token of a token stream; sft: whole documents packed best-fit
     # decreasing, loss on the tokens their mask marks, normalised by the global count of such tokens
-    objective: Literal["pretrain", "sft"] = "pretrain"
-    epochs: float | None = None      # sft: passes over the packed dataset; sets steps (schedules span them)
+    # dpo: preference pairs (global_batch_size and micro_batch_size count pairs), the `dpo` section's loss
+    objective: Literal["pretrain", "sft", "dpo"] = "pretrain"
+    epochs: float | None = None      # sft / dpo: passes over the dataset; sets steps (schedules span them)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 weights/activations, fp32 master + grads
     init: str | None = None          # start from this checkpoint's weights (fresh optimizer/schedule/data, step 0; model shape from it); resume wins
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -166,19 +168,22 @@ class TrainConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def validate(self) -> None:
         """Checks that need no world size; run on every load."""
         if self.steps < 1:
             raise ConfigError(f"key 'steps': must be >= 1, got {self.steps}")
-        if self.epochs is not None and (self.objective != "sft" or self.epochs <= 0):
-            raise ConfigError(f"key 'epochs': needs objective sft and a positive value, got {self.epochs} with "
-                              f"objective {self.objective}")
+        if self.epochs is not None and (self.objective == "pretrain" or self.epochs <= 0):
+            raise ConfigError(f"key 'epochs': needs objective sft or dpo and a positive value, got {self.epochs} "
+                              f"with objective {self.objective}")
+        if self.objective == "dpo":
+            self.dpo.validate()
         if self.data.document_masking and self.debug.synthetic_data:
             raise ConfigError("key 'data.document_masking': synthetic data has no documents")
-        if self.objective == "sft" and self.debug.synthetic_data:
-            raise ConfigError("key 'objective': sft needs a dataset of documents (debug.synthetic_data has none)")
+        if self.objective != "pretrain" and self.debug.synthetic_data:
+            raise ConfigError(f"key 'objective': {self.objective} needs a dataset (debug.synthetic_data has none)")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ConfigError(f"key 'stop_at': must be between 1 and steps ({self.steps}), got {self.stop_at}")
         m, p = self.model.resolved(), self.parallel
@@ -207,7 +212,10 @@ class TrainConfig:
                               f"micro_batch_size × dp = {p.micro_batch_size} × {dp}")
 
     def check_data(self) -> None:
-        """The dataset must exist (unless synthetic) and fit the model's vocabulary."""
+        """The dataset must exist (unless synthetic) and fit the model's vocabulary; dpo needs a reference."""
+        if self.objective == "dpo" and not (self.init or self.dpo.reference_checkpoint):
+            raise ConfigError("key 'dpo.reference_checkpoint': objective dpo needs a reference model: set it, "
+                              "or start from one with --init (init:), which is then the reference")
         if self.eval.tasks:
             self.eval.load_tasks()  # unknown names and malformed task files fail here, before torchrun
             if self.debug.synthetic_data or not self.data.dataset:
@@ -246,13 +254,19 @@ class TrainConfig:
             vocab = read_manifest(self.data.dataset).tokenizer.vocab_size
             out = dataclasses.replace(out, model=dataclasses.replace(self.model, vocab_size=vocab))
         if self.epochs is not None:
-            from storage.loader.conversations import ConversationLoader
+            if self.objective == "dpo":
+                from storage.loader.pairs import PairLoader
 
-            with ConversationLoader(self.data, 1) as ld:
-                rows = ld.rows_in_epochs(self.epochs)
+                with PairLoader(self.data, 1) as ld:
+                    rows = ld.pairs_in_epochs(self.epochs)
+            else:
+                from storage.loader.conversations import ConversationLoader
+
+                with ConversationLoader(self.data, 1) as ld:
+                    rows = ld.rows_in_epochs(self.epochs)
             steps = rows // self.parallel.global_batch_size
             if steps < 1:
-                raise ConfigError(f"key 'epochs': {self.epochs} epochs of {rows} packed rows make no global batch "
+                raise ConfigError(f"key 'epochs': {self.epochs} epochs of {rows} rows (pairs) make no global batch "
                                   f"of {self.parallel.global_batch_size}")
             out = dataclasses.replace(out, steps=steps, stop_at=None if self.stop_at is None else min(self.stop_at,
                                                                                                       steps))

@@ -1,5 +1,6 @@
 """The trainer's data source: storage's streaming `TokenLoader` (pretraining), its `ConversationLoader`
-(objective sft: whole documents packed), or in-memory synthetic tokens.
+(objective sft: whole documents packed), its `PairLoader` (objective dpo: preference pairs), or in-memory
+synthetic tokens.
 
 Every rank of a DP replica (its TP and PP peers) opens the same loader slice, so no broadcast is needed;
 the order is global and DP-independent (storage/loader), so a resume may change the DP size.
@@ -57,6 +58,11 @@ def make_loader(cfg: TrainConfig, par):
     if cfg.debug.synthetic_data:
         return SyntheticLoader(cfg.model.resolved().vocab_size, cfg.data.seq_len, cfg.parallel.global_batch_size,
                                cfg.data.seed, par.dp_rank, par.dp)
+    if cfg.objective == "dpo":
+        from storage.loader.pairs import PairLoader
+
+        return PairLoader(cfg.data, global_batch_size=cfg.parallel.global_batch_size, dp_rank=par.dp_rank,
+                          dp_size=par.dp)
     if cfg.objective == "sft":
         from storage.loader.conversations import ConversationLoader
 

@@ -41,7 +41,7 @@ class Trainer:
             cfgmod.save(cfg, self.run_dir / "config.yaml")
 
         chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.precision == "bf16", seed=cfg.seed,
-                             per_token_loss=cfg.objective == "sft")
+                             per_token_loss=cfg.objective != "pretrain")
         self.model = parallel.wrap_ddp(cfg, chunks)
         tcfg = chunks[0].config
         # The schedule calls these: DP grad all-reduce (or reduce-scatter), tied-embedding and layernorm
@@ -62,34 +62,46 @@ class Trainer:
         self.peak = peak_flops(cfg.monitor.peak_flops, cfg.precision)
         self.ckpt = _checkpoint_manager(cfg, self.run_dir)
         self.evaluator = _evaluator(cfg, self.model, par, self.sinks) if cfg.eval.every else None
+        self.dpo = None
+        if cfg.objective == "dpo":
+            from train.dpo import DPOObjective
+
+            self.dpo = DPOObjective(cfg, par, self.model, self.sinks)
         self.stop_reason: str | None = None
 
     # ---------------------------------------------------------------- one step
     def _forward_step(self, data_iterator, model):
         batch = next(data_iterator).to(self.par.device, non_blocking=True)
-        mb = micro_batch(batch, **self.docs)
+        mb = micro_batch(batch[:, :4] if self.dpo else batch, **self.docs)
         self._rope["positions"] = mb.positions
         positions = mb.positions if mb.positions is not None else \
             torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
         out = model(mb.tokens, positions, mb.attention_mask, labels=mb.labels,  # None: the spec's causal mask
                     packed_seq_params=mb.packed_seq_params)
-        return out, partial(self._loss, loss_mask=mb.loss_mask, nonpad=mb.nonpad, step=self.state.step)
+        pairs = batch[0::2, 4, 0] if self.dpo else None
+        return out, partial(self._loss, loss_mask=mb.loss_mask, nonpad=mb.nonpad, step=self.state.step, pairs=pairs)
 
-    def _loss(self, token_losses, loss_mask, nonpad: torch.Tensor, step: int):
+    def _loss(self, token_losses, loss_mask, nonpad: torch.Tensor, step: int, pairs=None):
+        if pairs is not None:  # objective dpo: per-pair losses over this micro-batch's pairs
+            total, n, report = self.dpo.loss(token_losses, loss_mask, pairs, nonpad)
+            return self._debug_scale(total, step), n, {"lm_loss": report}
         losses = token_losses.float()
         if loss_mask is not None:
             losses = losses * loss_mask.reshape(losses.shape)
-        total = losses.sum()
-        if step == self.cfg.debug.inject_nan_step:
-            total = total * float("nan")
-        if step == self.cfg.debug.inject_spike_step:
-            total = total * 100.0
+        total = self._debug_scale(losses.sum(), step)
         n = torch.tensor(losses.numel(), dtype=torch.int, device=total.device) if loss_mask is None \
             else loss_mask.sum().to(torch.int)
         # (loss, tokens, report): for pretraining megatron divides by tokens and micro-batches; for sft
         # (calculate_per_token_loss) it keeps sums and divides the gradients by the global token count.
         report = torch.stack([total.detach().double(), n.double(), nonpad.double()])
         return total, n, {"lm_loss": report}
+
+    def _debug_scale(self, total: torch.Tensor, step: int) -> torch.Tensor:
+        if step == self.cfg.debug.inject_nan_step:
+            total = total * float("nan")
+        if step == self.cfg.debug.inject_spike_step:
+            total = total * 100.0
+        return total
 
     def train_step(self) -> dict:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -98,8 +110,10 @@ class Trainer:
         t0 = time.perf_counter()
         batch = next(self.loader)                        # [rows of this DP rank, seq_len + 1]
         data_wait = time.perf_counter() - t0
-        mbs = cfg.parallel.micro_batch_size
+        mbs = self.dpo.rows_per_micro() if self.dpo else cfg.parallel.micro_batch_size  # rows per micro-batch
         micro = iter(batch.split(mbs))
+        if self.dpo:
+            self.dpo.before_step(batch)
 
         for m in self.model:
             m.zero_grad_buffer()
@@ -110,7 +124,9 @@ class Trainer:
                 forward_step_func=self._forward_step, data_iterator=micro, model=self.model,
                 num_microbatches=par.num_microbatches, seq_length=self.docs_seq_len(mbs), micro_batch_size=mbs,
                 forward_only=False)
-        loss, loss_tokens, nonpad = self._global_loss(reports)
+        report = self._global_report(reports)
+        loss = float(report[0] / report[1]) if report[1] > 0 else float("nan")
+        loss_tokens, nonpad = int(report[1]), int(report[2])
         norm = grad_norm(self.optimizer)
 
         skip = None
@@ -134,24 +150,30 @@ class Trainer:
             self._count_skip(skip, loss, norm)
 
         st.step += 1
-        st.consumed_tokens += cfg.parallel.global_batch_size * cfg.data.seq_len
+        st.consumed_tokens += self._rows_per_step() * cfg.data.seq_len
         return {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": skip is not None,
                 "step_time_s": time.perf_counter() - t0, "data_wait_s": data_wait, "loss_tokens": loss_tokens,
-                "nonpad_tokens": nonpad}
+                "nonpad_tokens": nonpad, **(self.dpo.record(report) if self.dpo else {})}
+
+    def _rows_per_step(self) -> int:
+        """Sequences in a global batch (a dpo pair is two)."""
+        return self.cfg.parallel.global_batch_size * (2 if self.dpo else 1)
 
     def docs_seq_len(self, mbs: int) -> int:
         """The sequence length the pipeline schedule sends between stages (thd lays rows end to end)."""
         return self.cfg.data.seq_len * mbs if self.docs["varlen"] else self.cfg.data.seq_len
 
-    def _global_loss(self, reports: list) -> tuple[float, int, int]:
-        """(token-mean loss over the global batch's loss tokens, loss tokens, non-padding tokens), known on
-        every rank (decisions must agree)."""
-        t = torch.zeros(3, dtype=torch.float64, device=self.par.device)
+    def _global_report(self, reports: list) -> torch.Tensor:
+        """The micro-batch reports summed over the global batch: (loss sum, loss tokens or pairs, non-padding
+        tokens, objective metrics...), known on every rank (decisions must agree)."""
+        from train.preference import METRICS
+
+        t = torch.zeros(3 + (len(METRICS) if self.dpo else 0), dtype=torch.float64, device=self.par.device)
         if self.par.is_last_stage and self.par.tp_rank == 0:
             for r in reports:
                 t += r["lm_loss"].to(t)
         dist.all_reduce(t)
-        return (float(t[0] / t[1]) if t[1] > 0 else float("nan")), int(t[1]), int(t[2])
+        return t
 
     def _count_skip(self, kind: str, loss: float, norm: float) -> None:
         ex = self.state.extra
@@ -174,6 +196,8 @@ class Trainer:
 
             load_weights(self.model, self.optimizer, cfg.init)
             self.sinks.event(st.step, "init", f"weights from {cfg.init} (fresh optimizer, schedule, data)")
+        if self.dpo:
+            self.dpo.prepare(st.step)
         window, last = [], {}
         try:
             while st.step < cfg.steps:
@@ -185,6 +209,8 @@ class Trainer:
                     window = []
                 if self.evaluator is not None and (st.step % cfg.eval.every == 0 or st.step == cfg.steps):
                     metrics, _ = self.evaluator.run()  # its wall time is logged apart from tokens/s and MFU
+                    if self.dpo:
+                        metrics |= self.dpo.evaluate()
                     self.sinks.log_eval(st.step, st.consumed_tokens, metrics)
                 if cfg.stop_at is not None and st.step >= cfg.stop_at and not self.stop_reason:
                     self.stop_reason = f"stop_at {cfg.stop_at} reached"
@@ -199,14 +225,18 @@ class Trainer:
     def _log(self, window: list[dict]) -> dict:
         cfg, par, st = self.cfg, self.par, self.state
         elapsed = sum(w["step_time_s"] for w in window)
-        tokens = len(window) * cfg.parallel.global_batch_size * cfg.data.seq_len
+        tokens = len(window) * self._rows_per_step() * cfg.data.seq_len
         tps = tokens / elapsed if elapsed > 0 else 0.0
-        if cfg.objective == "sft":  # padding is computed but not data: report both
+        if cfg.objective != "pretrain":  # padding is computed but not data: report both
             nonpad = sum(w["nonpad_tokens"] for w in window)
             sft = {"nonpad_tokens_per_s": nonpad / elapsed if elapsed > 0 else 0.0,
-                   "packing_efficiency": nonpad / tokens, "loss_tokens": window[-1]["loss_tokens"]}
+                   "packing_efficiency": nonpad / tokens,
+                   ("pairs" if self.dpo else "loss_tokens"): window[-1]["loss_tokens"]}
         else:
             sft = {}
+        if self.dpo:
+            sft |= {k: window[-1][k] for k in ("rewards_chosen", "rewards_rejected", "reward_margin",
+                                               "reward_accuracy", "logps_chosen", "logps_rejected") if k in window[-1]}
         mem = memory_stats()
         mem["fraction"] = parallel.all_reduce_max(mem["fraction"], par.device)
         rec = {"step": st.step, "loss": window[-1]["loss"], "grad_norm": window[-1]["grad_norm"],

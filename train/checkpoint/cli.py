@@ -1,4 +1,5 @@
-"""`train ckpt list|verify|export|import`: inspect, check and convert checkpoints (local folders or fsspec URLs)."""
+"""`train ckpt list|verify|export|import|merge`: inspect, check, convert and merge checkpoints (local folders
+or fsspec URLs)."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,7 @@ import fsspec
 
 from storage.fs import get_fs
 from train.checkpoint import layout
+from train.checkpoint.layout import CheckpointError
 
 
 def _human(n: int) -> str:
@@ -21,7 +23,7 @@ def _human(n: int) -> str:
 
 @click.group("ckpt")
 def ckpt() -> None:
-    """Checkpoints: list, verify, export to / import from Hugging Face."""
+    """Checkpoints: list, verify, export to / import from Hugging Face, merge (weight averaging)."""
 
 
 @ckpt.command("list")
@@ -96,10 +98,47 @@ def import_cmd(hf_folder: str, out_dir: str) -> None:
     chat template). Refused, naming the field: other model types, rope scaling, biases, head_dim other than
     hidden / heads."""
     from train.checkpoint.import_hf import import_folder
-    from train.checkpoint.layout import CheckpointError
 
     try:
         path = import_folder(hf_folder, out_dir)
     except CheckpointError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"imported {hf_folder} to {path}")
+
+
+@ckpt.command("merge")
+@click.argument("paths", nargs=-1, required=True, metavar="INPUT... OUT")
+@click.option("--linear", "method", flag_value="linear",
+              help="Weighted average; each INPUT is CHECKPOINT:WEIGHT, the weights summing to 1.")
+@click.option("--soup", "method", flag_value="soup", help="Uniform average of the INPUT checkpoints.")
+@click.option("--normalize", is_flag=True, help="With --linear: divide the weights by their sum instead of "
+              "refusing weights that do not sum to 1.")
+def merge_cmd(paths: tuple[str, ...], method: str | None, normalize: bool) -> None:
+    """Average the weights of 2+ checkpoints into OUT/step_00000000 (+ latest), a checkpoint that `train
+    eval`, `train ckpt export`, `train generate` and `train launch --init` accept.
+
+    \b
+      train ckpt merge --soup runs/apo-a runs/apo-b runs/apo-c soups/apo
+      train ckpt merge --linear soups/apo:0.9 runs/mid/checkpoints/step_00020000:0.1 merged/final
+
+    An INPUT is a step folder, or a run directory / checkpoints folder (its newest checkpoint that
+    verifies), of any TP/PP layout. All need the same model config and tensor shapes (the first
+    difference is named). Each tensor is averaged in float64 and cast to the first input's dtype. The
+    first input's tokenizer (dataset tokenizer and chat template, or carried hf/ files) is carried; a
+    different tokenizer elsewhere is a warning. The manifest's meta.merge records the inputs, their
+    manifest hashes and the weights."""
+    from train.checkpoint.merge import merge
+
+    if method is None:
+        raise click.UsageError("choose --linear (CHECKPOINT:WEIGHT inputs) or --soup (uniform)")
+    if len(paths) < 2:
+        raise click.UsageError("give the input checkpoints and then OUT")
+    try:
+        path, warnings, plan = merge(method, list(paths[:-1]), paths[-1], normalize)
+    except CheckpointError as e:
+        raise click.ClickException(str(e)) from None
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+    for ck, w in plan["inputs"]:
+        click.echo(f"  {w:+.6g}  {ck}")
+    click.echo(f"merged {len(plan['inputs'])} checkpoints ({method}) into {path}")

@@ -1,10 +1,16 @@
-"""The process `train ckpt import` starts: `python -m train.checkpoint.import_worker HF_FOLDER OUT_ROOT`.
+"""The process `train ckpt import` and `train ckpt merge` start: writes Hugging Face-named tensors and a
+model config as a smoltrain checkpoint.
 
-Builds the model (TP1 PP1, one gloo process) from the folder's config, copies the Hugging Face weights
-into its parameters, saves it with the trainer's CheckpointManager (a full, synchronous save at step 0,
-no optimizer), then adds the folder's tokenizer/config files under `hf/` to the committed checkpoint and
-its manifest. Prints the checkpoint path last. The CPU layer is installed at import and the work runs
-under the `__main__` guard, as for train.run (the checkpoint writer's helper process re-imports this).
+- `python -m train.checkpoint.import_worker HF_FOLDER OUT_ROOT`: import a HF Llama folder;
+- `python -m train.checkpoint.import_worker --merge OUT_ROOT` (plan as JSON on stdin, from
+  train.checkpoint.merge): the weighted average of checkpoints.
+
+Both go through `write_checkpoint`: build the model (TP1 PP1, one gloo process), copy the tensors into its
+parameters, save it with the trainer's CheckpointManager (a full, synchronous save at step 0, no
+optimizer), then add tokenizer/config files under `hf/` to the committed checkpoint and its manifest.
+Prints the checkpoint path last; a refused input exits 2 with `error: <why>` as its last line. The CPU
+layer is installed at import and the work runs under the `__main__` guard, as for train.run (the
+checkpoint writer's helper process re-imports this).
 """
 from train import cpu_compat
 
@@ -38,7 +44,11 @@ def _add_carried_files(ckpt: str, folder: str) -> list[str]:
     return names
 
 
-def main(argv: list[str]) -> int:
+def write_checkpoint(hf: dict, shape: dict, out_root: str, meta: dict, carry: str | None = None) -> str:
+    """Write HF Llama-named tensors `hf` (one dtype: bf16 stays bf16, else fp32) as the TP1 PP1 model of
+    `shape` (train.models.ModelConfig keys) into OUT_ROOT/step_00000000 (+ `latest`); returns its path.
+    The manifest's meta is {model, precision, padded_vocab_size, seq_len} updated with `meta`; with
+    `carry`, that folder's tokenizer/config files are copied into `hf/` (meta `hf.dir` says so)."""
     import os
     import warnings
 
@@ -50,19 +60,16 @@ def main(argv: list[str]) -> int:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from train.checkpoint import CheckpointConfig, CheckpointManager, layout
-    from train.checkpoint.import_hf import HF_DIR, dtype_precision, load_tensors, megatron_params, read_config
+    from train.checkpoint.import_hf import dtype_precision, megatron_params
     from train.models import ModelConfig, build_model
     from train.state import TrainState
 
-    folder, out_root = argv
-    shape = read_config(folder)
-    hf = load_tensors(folder)
     dtype, precision = dtype_precision(hf)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ps.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(0)
-        mcfg = ModelConfig(**shape, init="megatron")
+        mcfg = ModelConfig(**{**shape, "init": "megatron"})
         chunks = build_model(mcfg, bf16=dtype == "bfloat16")
         if dtype == "bfloat16":  # as the trainer's bf16 runs: every parameter (norms too) in bf16
             from megatron.core.transformer.module import Float16Module
@@ -78,8 +85,7 @@ def main(argv: list[str]) -> int:
                                      f"{tuple(p.shape)}")
                 p.copy_(v.to(p.dtype))
         meta = {"model": shape, "precision": precision, "padded_vocab_size": mcfg.padded_vocab_size(1),
-                "seq_len": min(2048, shape["max_position_embeddings"]),
-                "hf": {"source": folder, "dtype": dtype, "dir": HF_DIR}}
+                "seq_len": min(2048, mcfg.resolved().max_position_embeddings), **meta}
         cfg = CheckpointConfig(dir=out_root, async_save=False, full_every=0, incremental_every=0,
                                keep_last=1_000_000)
         mgr = CheckpointManager(cfg, out_root, meta=meta)
@@ -89,12 +95,42 @@ def main(argv: list[str]) -> int:
         if mgr.failed:
             raise RuntimeError("; ".join(mgr.failed))
         ckpt = os.path.join(out_root, layout.ckpt_name(0))
-        _add_carried_files(ckpt, folder)
-        print(ckpt, flush=True)
-        return 0
+        if carry:
+            _add_carried_files(ckpt, carry)
+        return ckpt
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def import_main(folder: str, out_root: str) -> str:
+    from train.checkpoint.import_hf import HF_DIR, dtype_precision, load_tensors, read_config
+
+    shape = read_config(folder)
+    hf = load_tensors(folder)
+    dtype, _ = dtype_precision(hf)
+    return write_checkpoint(hf, shape, out_root, {"hf": {"source": folder, "dtype": dtype, "dir": HF_DIR}},
+                            carry=folder)
+
+
+def main(argv: list[str]) -> int:
+    import json
+    import sys
+
+    from train.checkpoint.layout import CheckpointError
+
+    try:
+        if argv[0] == "--merge":
+            from train.checkpoint.merge import run_plan
+
+            ckpt = run_plan(json.load(sys.stdin), argv[1], write_checkpoint)
+        else:
+            ckpt = import_main(*argv)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(ckpt, flush=True)
+    return 0
 
 
 if __name__ == "__main__":

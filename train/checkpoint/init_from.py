@@ -34,25 +34,25 @@ DEFAULTED = {"tie_embeddings": True, "make_vocab_size_divisible_by": 128}
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def find_checkpoint(path: str) -> str:
+def find_checkpoint(path: str, what: str = "key 'init'") -> str:
     """The step folder `path` names (itself, or the newest verifying one of a run dir / checkpoints root),
-    verified (sizes and checksums, with its base). Raises ConfigError naming the problem."""
+    verified (sizes and checksums, with its base). Raises ConfigError naming the problem (after `what`)."""
     fs = fsspec.filesystem("file")
     p = os.path.abspath(path.removeprefix("file://").rstrip("/"))
     if not os.path.isdir(p):
-        raise ConfigError(f"key 'init': {path}: no such checkpoint folder")
+        raise ConfigError(f"{what}: {path}: no such checkpoint folder")
     if os.path.isfile(os.path.join(p, layout.MANIFEST)):
         root, name = os.path.split(p)
         problems = layout.verify(fs, root, name)
         if problems:
-            raise ConfigError(f"key 'init': {p} does not verify: " + "; ".join(problems[:5]))
+            raise ConfigError(f"{what}: {p} does not verify: " + "; ".join(problems[:5]))
         return p
     root = os.path.join(p, "checkpoints") if os.path.isdir(os.path.join(p, "checkpoints")) else p
     names = layout.checkpoint_names(fs, root)
     for name in reversed(names):
         if not layout.verify(fs, root, name):
             return os.path.join(root, name)
-    raise ConfigError(f"key 'init': {path}: " + ("no checkpoint there verifies" if names else
+    raise ConfigError(f"{what}: {path}: " + ("no checkpoint there verifies" if names else
                                                  "not a checkpoint (no manifest.json) and holds no checkpoints"))
 
 

@@ -72,6 +72,8 @@ class ValidationSet:
         tbytes: dict[str, list[int]] = {}
         n_rows = max(1, tokens_per_source // seq_len)
         for source, info in man.validation.items():
+            if man.sources[source].kind == "preference":  # scored by objective dpo's held-out pair metrics
+                continue
             if man.sources[source].kind == "chat":
                 rows[source], tbytes[source] = _conversation_rows(dataset, info.shards, seq_len, tokens_per_source,
                                                                   nbytes)

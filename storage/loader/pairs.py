@@ -1,0 +1,293 @@
+"""`PairLoader`: preference pairs (chosen, rejected) for DPO-style objectives; `iter_pairs`: every pair of a
+split in dataset order.
+
+A preference source (manifest kind "preference", built by datapipe from `format: preference`) stores each
+pair as two consecutive documents `ID#chosen`, `ID#rejected` in one block, each with its loss mask (the
+completion's tokens). Pairs are numbered 0..n_pairs-1 in manifest source, shard, block and document order
+(their *ordinal*, the key of per-pair artifacts such as precomputed reference log-probs).
+
+The global order of pairs is a pure function of (manifest, seed, epoch): epoch e is a permutation of all
+pairs of all preference sources seeded by (seed, e); global batch i holds pairs [i·G, (i+1)·G) of the
+epochs laid end to end (G = global_batch_size, counted in pairs); DP rank r of W takes pairs
+[r·G/W, (r+1)·G/W) of it. State is the number of pairs consumed, so a resume may change the DP size.
+
+A batch is int64 [2·P, 5, seq_len] (P = G/W pairs), rows interleaved chosen, rejected, chosen, ...
+(any micro-batch of an even number of rows holds whole pairs). Fields: input tokens (padding: the EOS id),
+labels (the next token; 0 on the last token and on padding), loss mask (the shard mask of the label
+token, as ConversationLoader builds it), segment ids (0 for the sequence, -1 for padding), and the
+pair's ordinal (on every position of both rows). Each side sits alone in its row, unpacked; one longer
+than seq_len is an error at start (build with `chat.max_tokens` <= seq_len).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import orjson
+import torch
+
+from storage import fs
+from storage.dataset import Dataset, iter_documents
+from storage.loader.buffers import Failure, TwoSlotQueue
+from storage.loader.config import LoaderConfig
+from storage.loader.loader import dataset_fingerprint
+from storage.loader.order import _rng
+from storage.manifest import read_manifest
+from storage.shards import TAR_BLOCK, ShardError
+
+STATE_VERSION = 1
+FIELDS = 5  # tokens, labels, loss mask, segment ids, pair ordinal
+_SALT = 0xD90  # keeps these permutations apart from the other loaders' for the same seed
+SIDES = ("chosen", "rejected")
+
+
+def _pair_id(chosen: str, rejected: str, where: str) -> str:
+    """The pair id of two consecutive documents, checking that they are one pair's two sides."""
+    if chosen.endswith("#chosen") and rejected.endswith("#rejected") and chosen[:-7] == rejected[:-9]:
+        return chosen[:-7]
+    raise ShardError(where, f"documents {chosen!r}, {rejected!r} are not the #chosen and #rejected sides of one "
+                     "preference pair")
+
+
+class PairTable:
+    """Every pair of the preference sources' training shards: its block, both sides' spans there, its id.
+    Read from the blocks' JSON members only."""
+
+    def __init__(self, ds: Dataset, threads: int):
+        self.blocks: list[tuple[object, int, str]] = []  # (ShardReader, k, source)
+        for name, readers in ds.readers.items():
+            if ds.manifest.sources[name].kind == "preference":
+                for r in readers:
+                    self.blocks.extend((r, k, name) for k in range(len(r.index)))
+        if not self.blocks:
+            kinds = {n: s.kind for n, s in ds.manifest.sources.items()}
+            raise ValueError(f"dataset {ds.url}: no preference pairs (source kinds: {kinds}); build one with "
+                             "`format: preference` sources")
+        with ThreadPoolExecutor(max(1, threads)) as ex:
+            metas = list(ex.map(self._meta, self.blocks))
+        block, start, length, self.ids = [], [], [], []
+        for b, (ids, offs) in enumerate(metas):
+            if len(ids) % 2:
+                raise ShardError(self.blocks[b][0].url, f"a preference block holds {len(ids)} documents (pairs "
+                                 "come in twos)", self.blocks[b][0].index[self.blocks[b][1]].key)
+            for j in range(0, len(ids), 2):
+                self.ids.append(_pair_id(ids[j], ids[j + 1], self.blocks[b][0].url))
+                block.append(b)
+                start.append((offs[j], offs[j + 1]))
+                length.append((offs[j + 1] - offs[j], offs[j + 2] - offs[j + 1]))
+        self.block = np.asarray(block, dtype=np.int64)
+        self.start = np.asarray(start, dtype=np.int64).reshape(-1, 2)
+        self.length = np.asarray(length, dtype=np.int64).reshape(-1, 2)
+        self.n = len(self.ids)
+
+    @staticmethod
+    def _meta(blk) -> tuple[list[str], list[int]]:
+        reader, k, _ = blk
+        e = reader.index[k]
+        meta = fs.read_range(reader.url, e.meta_offset + TAR_BLOCK, e.meta_size)
+        try:
+            d = orjson.loads(meta)
+            return [str(x) for x in d["doc_ids"]], [int(x) for x in d["offsets"]]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ShardError(reader.url, f"bad block metadata: {err}", f"{e.key}.json") from None
+
+
+class PairLoader:
+    """This DP rank's pairs of each global batch (see the module docstring).
+
+    Same interface as ConversationLoader: iteration, state_dict / load_state_dict, metrics, close, and a
+    context manager. `global_batch_size` counts pairs."""
+
+    def __init__(self, cfg: LoaderConfig, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
+        cfg.validate()
+        if global_batch_size < 1 or global_batch_size % dp_size or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"bad batch layout: global_batch_size={global_batch_size} pairs, dp_rank={dp_rank}, "
+                             f"dp_size={dp_size}")
+        self.cfg, self.G, self.rank, self.world = cfg, global_batch_size, dp_rank, dp_size
+        self.P = global_batch_size // dp_size  # pairs of this rank per batch
+        self.S = cfg.seq_len
+        self.ds = Dataset.open(cfg.dataset)
+        self.ds.manifest.validate()
+        self.pad_id = int(self.ds.manifest.tokenizer.eos_id)
+        self.pairs = PairTable(self.ds, cfg.threads())
+        too_long = np.flatnonzero(self.pairs.length.max(axis=1) > self.S)
+        if len(too_long):
+            j = int(too_long[0])
+            c, r = (int(x) for x in self.pairs.length[j])
+            raise ValueError(f"preference pair {self.pairs.ids[j]!r}: chosen has {c:,} tokens, rejected {r:,}; "
+                             f"seq_len is {self.S:,} ({len(too_long) - 1} more pairs too long); rebuild with "
+                             f"chat.max_tokens <= seq_len or raise seq_len")
+        self.fingerprint = {"dataset": dataset_fingerprint(self.ds.manifest), "seed": cfg.seed, "order": "pairs"}
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
+        self._cache_bytes = 0
+        self._lock = threading.Lock()
+        self.consumed = 0   # global pairs before the next batch this loader hands out
+        self._built = 0     # global pairs the producer thread has built batches for
+        self._buf = TwoSlotQueue(2)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._m = {"wait_s": 0.0, "pairs": 0, "tokens": 0, "t0": None, "blocks_read": 0}
+
+    # ---- the order ----
+    @property
+    def epoch_pairs(self) -> int:
+        """Pairs per epoch (all pairs of all preference sources)."""
+        return self.pairs.n
+
+    def pairs_in_epochs(self, epochs: float) -> int:
+        """Pairs in the first `epochs` epochs (a fraction counts that share of an epoch's pairs)."""
+        whole = int(epochs)
+        return whole * self.pairs.n + int((epochs - whole) * self.pairs.n)
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s pair ordinals in order (the last two stay cached)."""
+        with self._lock:
+            p = self._perms.get(epoch)
+            if p is None:
+                p = self._perms[epoch] = _rng(self.cfg.seed, _SALT, epoch).permutation(self.pairs.n)
+                while len(self._perms) > 2:
+                    self._perms.popitem(last=False)
+            self._perms.move_to_end(epoch)
+            return p
+
+    def ordinals(self, g0: int, n: int) -> np.ndarray:
+        """Ordinals of global pairs [g0, g0 + n) (epochs laid end to end)."""
+        g = np.arange(g0, g0 + n, dtype=np.int64)
+        out = np.empty(n, dtype=np.int64)
+        for e in np.unique(g // self.pairs.n).tolist():
+            sel = g // self.pairs.n == e
+            out[sel] = self.permutation(e)[g[sel] % self.pairs.n]
+        return out
+
+    # ---- building batches ----
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray | None]:
+        hit = self._cache.get(b)
+        if hit is not None:
+            self._cache.move_to_end(b)
+            return hit
+        reader, k, _ = self.pairs.blocks[b]
+        blk = reader.read_block(k)
+        hit = (np.asarray(blk.tokens), None if blk.mask is None else np.asarray(blk.mask))
+        self._m["blocks_read"] += 1
+        self._cache[b] = hit
+        self._cache_bytes += hit[0].nbytes + (hit[1].nbytes if hit[1] is not None else 0)
+        while self._cache_bytes > self.cfg.max_bytes_in_flight and len(self._cache) > 1:
+            _, (t, m) = self._cache.popitem(last=False)
+            self._cache_bytes -= t.nbytes + (m.nbytes if m is not None else 0)
+        return hit
+
+    def build(self, g0: int, n: int) -> torch.Tensor:
+        """Global pairs [g0, g0 + n) as int64 [2n, 5, seq_len], rows chosen, rejected, chosen, ..."""
+        S, t = self.S, self.pairs
+        out = np.zeros((2 * n, FIELDS, S), dtype=np.int64)
+        out[:, 0] = self.pad_id
+        out[:, 3] = -1
+        for i, o in enumerate(self.ordinals(g0, n).tolist()):
+            tokens, mask = self._block(int(t.block[o]))
+            for side in (0, 1):
+                row, a, L = 2 * i + side, int(t.start[o, side]), int(t.length[o, side])
+                out[row, 0, :L] = tokens[a:a + L]
+                out[row, 1, :L - 1] = tokens[a + 1:a + L]
+                out[row, 2, :L - 1] = 1 if mask is None else mask[a + 1:a + L]
+                out[row, 3, :L] = 0
+                out[row, 4] = o
+                self._m["tokens"] += L
+        return torch.from_numpy(out)
+
+    def _produce(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = self.build(self._built + self.rank * self.P, self.P)
+                self._built += self.G
+                if not self._buf.put(batch, self._stop):
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._buf.put(Failure(e), self._stop)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._thread is None:
+            self._built = self.consumed
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._produce, name="pair-loader", daemon=True)
+            self._thread.start()
+            self._m["t0"] = time.perf_counter()
+        t = time.perf_counter()
+        item = self._buf.get(alive=lambda: self._thread is not None and self._thread.is_alive())
+        self._m["wait_s"] += time.perf_counter() - t
+        if isinstance(item, Failure):
+            raise item.exc
+        self.consumed += self.G
+        self._m["pairs"] += self.P
+        return item
+
+    # ---- state ----
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "kind": "pairs", "consumed": self.consumed,
+                "config": dict(self.fingerprint)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("version") != STATE_VERSION or sd.get("kind") != "pairs":
+            raise ValueError(f"loader state {sd.get('kind', 'token stream')!r} v{sd.get('version')} is not a "
+                             f"preference-pair state v{STATE_VERSION} (was the run trained with another objective?)")
+        for key, ours in self.fingerprint.items():
+            if sd["config"].get(key) != ours:
+                raise ValueError(f"loader state was made with {key}={sd['config'].get(key)!r}, this loader has "
+                                 f"{key}={ours!r}; resuming would change the pair order")
+        self._shutdown()
+        self.consumed = int(sd["consumed"])
+
+    # ---- metrics / lifecycle ----
+    def metrics(self) -> dict:
+        el = time.perf_counter() - self._m["t0"] if self._m["t0"] else 0.0
+        return {"pairs": self._m["pairs"], "sequences": 2 * self._m["pairs"], "wait_s": self._m["wait_s"],
+                "blocks_read": self._m["blocks_read"], "nonpad_tokens": self._m["tokens"],
+                "tokens_per_s": self._m["tokens"] / el if el else 0.0, "epoch_pairs": self.pairs.n,
+                "epoch": self.consumed // self.pairs.n}
+
+    def _shutdown(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._buf.drain()
+            self._thread.join()
+            self._thread = None
+        self._buf.drain()
+
+    def close(self) -> None:
+        self._shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def iter_pairs(dataset: str | Dataset, split: str = "train", verify: bool = True
+               ) -> Iterator[tuple[int, str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Every pair of the preference sources of `split` ("train": the training shards, "validation": the
+    held-out split) in dataset order, as (ordinal, pair_id, chosen_tokens, chosen_mask, rejected_tokens,
+    rejected_mask): tokens int64, masks uint8 (1: the token carries loss), fresh arrays. For "train" the
+    ordinal is the one PairLoader puts in its batches; the validation split numbers its own pairs from 0."""
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    url = dataset.url if isinstance(dataset, Dataset) else dataset
+    m = dataset.manifest if isinstance(dataset, Dataset) else read_manifest(url)
+    sources = m.sources if split == "train" else m.validation
+    ordinal = 0
+    for src in sources.values():
+        if src.kind != "preference":
+            continue
+        docs = iter_documents(url, src.shards, verify=verify, with_mask=True)
+        for c_id, c_tok, c_mask in docs:
+            r_id, r_tok, r_mask = next(docs, (f"(none: {c_id!r} is the last document)", None, None))
+            yield (ordinal, _pair_id(c_id, r_id, url), c_tok.astype(np.int64), np.array(c_mask, dtype=np.uint8),
+                   r_tok.astype(np.int64), np.array(r_mask, dtype=np.uint8))
+            ordinal += 1
