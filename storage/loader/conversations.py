@@ -20,8 +20,6 @@ bounded by `max_bytes_in_flight`), and a window's rows only read that window's b
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
 import threading
 import time
 from collections import OrderedDict
@@ -317,15 +315,3 @@ class ConversationLoader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def plan_summary(cfg: LoaderConfig, epochs: float = 1.0) -> dict:
-    """Rows, tokens and packing efficiency of the first `epochs` epochs (for `train launch` and docs)."""
-    ld = ConversationLoader(cfg, 1)
-    try:
-        rows = ld.rows_in_epochs(epochs)
-        p = ld.plan(0)
-        return {"rows": rows, "epoch_rows": p.rows, "documents": len(ld.docs.length), "tokens": p.tokens,
-                "packing_efficiency": p.efficiency, "split_documents": p.split_documents,
-                "fingerprint": hashlib.sha256(json.dumps(ld.fingerprint, sort_keys=True).encode()).hexdigest()[:16]}
-    finally:
-        ld.close()
