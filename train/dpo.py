@@ -70,6 +70,13 @@ class DPOObjective:
 
         return bool(read_manifest(self.cfg.data.dataset).validation)
 
+    @staticmethod
+    def trim(batch: torch.Tensor) -> torch.Tensor:
+        """The batch cut after its longest sequence (rounded up to a multiple of 8): rows hold one side each,
+        padded to seq_len, and trailing padding changes nothing under causal attention but costs compute."""
+        longest = int((batch[:, 3] >= 0).sum(dim=1).max())
+        return batch[..., :min(batch.shape[-1], -(-longest // 8) * 8)].contiguous()
+
     def before_step(self, batch: torch.Tensor) -> None:
         """Online reference: score this rank's pairs with the frozen copy; they go into the table."""
         if self.online is None:

@@ -108,12 +108,13 @@ class Trainer:
 
         cfg, par, st = self.cfg, self.par, self.state
         t0 = time.perf_counter()
-        batch = next(self.loader)                        # [rows of this DP rank, seq_len + 1]
+        batch = next(self.loader)  # this DP rank's rows: [rows, seq_len + 1], or [rows, 4|5, seq_len] (train.docmask)
         data_wait = time.perf_counter() - t0
         mbs = self.dpo.rows_per_micro() if self.dpo else cfg.parallel.micro_batch_size  # rows per micro-batch
-        micro = iter(batch.split(mbs))
         if self.dpo:
+            batch = self.dpo.trim(batch)
             self.dpo.before_step(batch)
+        micro = iter(batch.split(mbs))
 
         for m in self.model:
             m.zero_grad_buffer()
@@ -122,8 +123,8 @@ class Trainer:
         with rope_positions(self.model) as self._rope:
             reports = get_forward_backward_func()(
                 forward_step_func=self._forward_step, data_iterator=micro, model=self.model,
-                num_microbatches=par.num_microbatches, seq_length=self.docs_seq_len(mbs), micro_batch_size=mbs,
-                forward_only=False)
+                num_microbatches=par.num_microbatches, seq_length=self.docs_seq_len(mbs, batch),
+                micro_batch_size=1 if self.docs["varlen"] else mbs, forward_only=False)
         report = self._global_report(reports)
         loss = float(report[0] / report[1]) if report[1] > 0 else float("nan")
         loss_tokens, nonpad = int(report[1]), int(report[2])
@@ -159,9 +160,12 @@ class Trainer:
         """Sequences in a global batch (a dpo pair is two)."""
         return self.cfg.parallel.global_batch_size * (2 if self.dpo else 1)
 
-    def docs_seq_len(self, mbs: int) -> int:
-        """The sequence length the pipeline schedule sends between stages (thd lays rows end to end)."""
-        return self.cfg.data.seq_len * mbs if self.docs["varlen"] else self.cfg.data.seq_len
+    def docs_seq_len(self, mbs: int, batch: torch.Tensor) -> int:
+        """The sequence length the pipeline schedule sends between stages: the model's input width (a
+        pretraining row of n tokens gives n - 1 inputs); thd lays a micro-batch's rows end to end as one
+        sequence, of batch size 1."""
+        seq = batch.shape[-1] - (1 if batch.dim() == 2 else 0)
+        return seq * mbs if self.docs["varlen"] else seq
 
     def _global_report(self, reports: list) -> torch.Tensor:
         """The micro-batch reports summed over the global batch: (loss sum, loss tokens or pairs, non-padding
