@@ -154,7 +154,8 @@ class Trainer:
         st.consumed_tokens += self._rows_per_step() * cfg.data.seq_len
         return {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": skip is not None,
                 "step_time_s": time.perf_counter() - t0, "data_wait_s": data_wait, "loss_tokens": loss_tokens,
-                "nonpad_tokens": nonpad, **(self.dpo.record(report) if self.dpo else {})}
+                "nonpad_tokens": nonpad, "width": batch.shape[-1],
+                **(self.dpo.record(report) if self.dpo else {})}
 
     def _rows_per_step(self) -> int:
         """Sequences in a global batch (a dpo pair is two)."""
@@ -239,6 +240,7 @@ class Trainer:
         else:
             sft = {}
         if self.dpo:
+            sft["row_width"] = sum(w["width"] for w in window) / len(window)  # batches are cut after the longest
             sft |= {k: window[-1][k] for k in ("rewards_chosen", "rewards_rejected", "reward_margin",
                                                "reward_accuracy", "logps_chosen", "logps_rejected") if k in window[-1]}
         mem = memory_stats()
