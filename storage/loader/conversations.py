@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,13 +30,12 @@ import torch
 
 from storage import fs
 from storage.dataset import Dataset
-from storage.loader.buffers import Failure, TwoSlotQueue
+from storage.loader.background import BackgroundBatches
 from storage.loader.config import LoaderConfig
 from storage.loader.loader import dataset_fingerprint
 from storage.loader.order import _rng
 from storage.shards import TAR_BLOCK, ShardError
 
-STATE_VERSION = 1
 FIELDS = 4  # tokens, labels, loss mask, segment ids
 _SALT = 0x5F7  # keeps these permutations apart from the TokenLoader's for the same seed
 
@@ -138,10 +136,12 @@ class DocTable:
             raise ShardError(reader.url, f"bad block metadata: {err}", f"{e.key}.json") from None
 
 
-class ConversationLoader:
+class ConversationLoader(BackgroundBatches):
     """This DP rank's rows of each global batch of packed documents (see the module docstring).
 
     Same interface as TokenLoader: iteration, state_dict / load_state_dict, metrics, close."""
+    KIND, WHAT, THREAD = "packed", "packed-document", "sft-loader"
+
 
     def __init__(self, cfg: LoaderConfig, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
         cfg.validate()
@@ -162,12 +162,7 @@ class ConversationLoader:
         self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
         self._cache_bytes = 0
         self._lock = threading.Lock()
-        self.consumed = 0   # global rows before the next batch this loader hands out
-        self._built = 0     # global rows the producer thread has built batches for
-        self._buf = TwoSlotQueue(2)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._m = {"wait_s": 0.0, "rows": 0, "tokens": 0, "t0": None, "blocks_read": 0}
+        self._start_state(global_batch_size, self.rows, dp_rank)
 
     # ---- the plan ----
     def plan(self, epoch: int) -> EpochPlan:
@@ -244,74 +239,11 @@ class ConversationLoader:
             self._m["tokens"] += pos
         return torch.from_numpy(out)
 
-    def _produce(self) -> None:
-        try:
-            while not self._stop.is_set():
-                g0 = self._built + self.rank * self.rows
-                batch = self.build(g0, self.rows)
-                self._built += self.G
-                if not self._buf.put(batch, self._stop):
-                    return
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            self._buf.put(Failure(e), self._stop)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> torch.Tensor:
-        if self._thread is None:
-            self._built = self.consumed
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._produce, name="sft-loader", daemon=True)
-            self._thread.start()
-            self._m["t0"] = time.perf_counter()
-        t = time.perf_counter()
-        item = self._buf.get(alive=lambda: self._thread is not None and self._thread.is_alive())
-        self._m["wait_s"] += time.perf_counter() - t
-        if isinstance(item, Failure):
-            raise item.exc
-        self.consumed += self.G
-        self._m["rows"] += self.rows
-        return item
-
-    # ---- state ----
-    def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "kind": "packed", "consumed": self.consumed,
-                "config": dict(self.fingerprint)}
-
-    def load_state_dict(self, sd: dict) -> None:
-        if sd.get("version") != STATE_VERSION or sd.get("kind") != "packed":
-            raise ValueError(f"loader state {sd.get('kind', 'token stream')!r} v{sd.get('version')} is not a packed-"
-                             f"document state v{STATE_VERSION} (was the run trained with another objective?)")
-        for key, ours in self.fingerprint.items():
-            if sd["config"].get(key) != ours:
-                raise ValueError(f"loader state was made with {key}={sd['config'].get(key)!r}, this loader has "
-                                 f"{key}={ours!r}; resuming would change the row order")
-        self._shutdown()
-        self.consumed = int(sd["consumed"])
-
-    # ---- metrics / lifecycle ----
+    # ---- metrics ----
     def metrics(self) -> dict:
-        el = time.perf_counter() - self._m["t0"] if self._m["t0"] else 0.0
+        el = self.elapsed()
         p = self.plan(self._locate(self.consumed)[0])
-        return {"sequences": self._m["rows"], "wait_s": self._m["wait_s"], "blocks_read": self._m["blocks_read"],
+        return {"sequences": self._m["units"], "wait_s": self._m["wait_s"], "blocks_read": self._m["blocks_read"],
                 "nonpad_tokens": self._m["tokens"], "tokens_per_s": self._m["tokens"] / el if el else 0.0,
                 "packing_efficiency": p.efficiency, "split_documents": p.split_documents, "epoch_rows": p.rows}
-
-    def _shutdown(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._buf.drain()
-            self._thread.join()
-            self._thread = None
-        self._buf.drain()
-
-    def close(self) -> None:
-        self._shutdown()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
