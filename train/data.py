@@ -69,9 +69,11 @@ def make_loader(cfg: TrainConfig, par):
         return ConversationLoader(cfg.data, global_batch_size=cfg.parallel.global_batch_size, dp_rank=par.dp_rank,
                                   dp_size=par.dp)
     from storage.loader.loader import TokenLoader
+    from storage.manifest import Phase
 
     lcfg = cfg.data
+    mix = [Phase("stage", dict(lcfg.mix), 1)] if lcfg.mix else None
     if par.device.type == "cuda" and lcfg.device == "cpu":
         lcfg = dataclasses.replace(lcfg, device=str(par.device))  # pinned memory + side stream
     return TokenLoader(lcfg, global_batch_size=cfg.parallel.global_batch_size, dp_rank=par.dp_rank,
-                       dp_size=par.dp)
+                       dp_size=par.dp, mix=mix)

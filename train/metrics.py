@@ -148,6 +148,9 @@ def format_eval(r: dict) -> str:
         parts.append(f"val loss {r['val/all/loss']:.4f} ppl {r['val/all/ppl']:.1f} bpb {r['val/all/bpb']:.3f}")
     tasks = sorted({k.split("/")[1] for k in r if k.startswith("eval/") and k.endswith("/acc_norm")})
     parts += [f"{t} {r[f'eval/{t}/acc_norm']:.3f}" for t in tasks]
+    if "dpo_val/pairs" in r:
+        parts.append(f"held-out pairs {r['dpo_val/pairs']}: reward acc {r['dpo_val/reward_accuracy']:.3f} margin "
+                     f"{r['dpo_val/reward_margin']:+.3f} chosen reward {r['dpo_val/rewards_chosen']:+.3f}")
     parts.append(f"{r['eval_time_s']:.1f} s")
     return " | ".join(parts)
 

@@ -213,9 +213,11 @@ class Trainer:
                     last = self._log(window)
                     window = []
                 if self.evaluator is not None and (st.step % cfg.eval.every == 0 or st.step == cfg.steps):
+                    t_eval = time.perf_counter()
                     metrics, _ = self.evaluator.run()  # its wall time is logged apart from tokens/s and MFU
                     if self.dpo:
                         metrics |= self.dpo.evaluate()
+                    metrics["eval_time_s"] = time.perf_counter() - t_eval
                     self.sinks.log_eval(st.step, st.consumed_tokens, metrics)
                 if cfg.stop_at is not None and st.step >= cfg.stop_at and not self.stop_reason:
                     self.stop_reason = f"stop_at {cfg.stop_at} reached"

@@ -1,6 +1,7 @@
 """Evaluation end to end on a model trained here: `datapipe build` with a held-out split → `train launch`
 with in-loop evaluation → `train eval` of the same checkpoint under DP1, DP2, TP2 and PP2 → the same
-items through lm-evaluation-harness (HF backend) on the `train ckpt export` folder; table, plot, bad input."""
+items through lm-evaluation-harness (HF backend) on the `train ckpt export` folder; table, plot, bad input,
+two labeled targets (a chain's stages) in one worker and their table."""
 import json
 import math
 import os
@@ -162,9 +163,21 @@ def test_bad_input_messages(run, tmp_path):
         (old / src).symlink_to(ds / src)
     man.pop("validation")
     (old / "manifest.json").write_text(json.dumps(man))
-    r = _cli("train.cli", "eval", str(run / "run" / "checkpoints" / "step_00000040"), "--tasks", "piqa",
-             "--limit", "5", "--set", f"data.dataset={old}", "--out", str(tmp_path / "res"))
+    # (two labeled targets in one worker, as for the stages of a chain: results named by label, the table
+    # in the order given, neither by step nor by name)
+    ckpts = run / "run" / "checkpoints"
+    r = _cli("train.cli", "eval", f"late={ckpts / 'step_00000040'}", f"early={ckpts / 'step_00000020'}", "--tasks",
+             "piqa", "--limit", "5", "--set", f"data.dataset={old}", "--out", str(tmp_path / "res"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "has no validation split" in r.stderr
-    res = json.loads((tmp_path / "res" / "step_00000040.json").read_text())
+    assert sorted(p.name for p in (tmp_path / "res").iterdir()) == ["early.json", "late.json"]
+    res = json.loads((tmp_path / "res" / "late.json").read_text())
+    assert res["label"] == "late" and res["checkpoint"] == "step_00000040" and res["step"] == 40
+    assert res["path"] == str((ckpts / "step_00000040").resolve())
     assert "eval/piqa/acc" in res["metrics"] and not any(k.startswith("val/") for k in res["metrics"])
+    early = json.loads((tmp_path / "res" / "early.json").read_text())
+    assert early["label"] == "early" and early["step"] == 20 and early["evaluated_at"] > res["evaluated_at"]
+    r = _cli("train.cli", "eval", "--table", str(tmp_path / "res"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == "label"
+    assert [ln.split()[:2] for ln in r.stdout.splitlines()[1:3]] == [["late", "40"], ["early", "20"]]

@@ -189,3 +189,47 @@ def test_cli_launch_fails_before_any_process(tmp_path):
                                   "--set", "debug.synthetic_data=true"])
     assert r.exit_code == 0 and "torch.distributed.run" in r.output
     assert (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_data_mix_reweights_the_stage(tmp_path):
+    """data.mix replaces the manifest's schedule for one run (a mid-training stage): with all the weight on
+    one source every token comes from it; keys are checked against the manifest before any process starts."""
+    import types
+
+    import numpy as np
+    import torch
+
+    from storage.dataset import SourceWriter
+    from storage.manifest import Manifest, Phase, TokenizerInfo, write_manifest
+    from train.data import make_loader
+
+    root, rng, infos = str(tmp_path / "ds"), np.random.default_rng(0), {}
+    for name, lo in (("web", 1), ("code", 30_000)):  # disjoint token ranges tell the sources apart
+        w = SourceWriter(root, name, "uint16", block_tokens=512, shard_blocks=4)
+        for i in range(60):
+            w.add_document(f"{name}-{i}", np.append(rng.integers(lo, lo + 20_000, int(rng.integers(20, 300))), 0))
+        infos[name] = w.close()
+    write_manifest(root, Manifest(TokenizerInfo("tokenizer.json", "0" * 64, 50_000, 0, "uint16"), infos,
+                                  [Phase("stable", {"web": 0.9, "code": 0.1}, 1)]))
+    base = {"data": {"dataset": root, "seq_len": 64, "prefetch_threads": 1, "decode_processes": 0},
+            "parallel": {"global_batch_size": 8}}
+    par = types.SimpleNamespace(dp_rank=0, dp=1, device=torch.device("cpu"))
+
+    def tokens(**data) -> np.ndarray:
+        c = from_dict(TrainConfig, {**base, "data": {**base["data"], **data}})
+        c.check_data()
+        loader = make_loader(c, par)
+        try:
+            return np.concatenate([next(loader).numpy().ravel() for _ in range(6)])
+        finally:
+            loader.close()
+
+    staged, natural = tokens(mix={"code": 1.0}), tokens()
+    assert ((staged == 0) | (staged >= 30_000)).all()
+    assert ((natural > 0) & (natural < 30_000)).mean() > 0.5  # the manifest's phase: mostly web
+    with pytest.raises(ConfigError, match=r"key 'data.mix.docs': no such source .*sources: code, web"):
+        tokens(mix={"docs": 1.0})
+    with pytest.raises(ConfigError, match=r"key 'data.mix.code': weight must be > 0"):
+        cfg(data={"mix": {"code": 0}})
+    with pytest.raises(ConfigError, match=r"key 'data.mix': reweights pretraining sources"):
+        cfg(objective="sft", data={"dataset": root, "mix": {"code": 1.0}})

@@ -1,5 +1,9 @@
 """`train eval` around the worker: which checkpoints and config, torchrun, results as one JSON per
-checkpoint in RUN_DIR/eval/, and the table (one row per checkpoint, one column per task).
+checkpoint in RUN_DIR/eval/ (or --out), and the table (one row per checkpoint, one column per task).
+
+Targets are CHECKPOINT|RUN_DIR or LABEL=CHECKPOINT|RUN_DIR: checkpoints of different runs (the stages of a
+chain: pretrain, mid-training, SFT, DPO, merged) are evaluated under one config in one worker; a labeled
+one's result is OUT/LABEL.json with "label", and the table shows the labels in the order of evaluation.
 
 A checkpoint's config is its run's `config.yaml` (RUN_DIR/checkpoints/step_N → RUN_DIR/config.yaml),
 with `--set` overrides on top (e.g. `parallel.tp=2`: evaluation reshards on load); without a run
@@ -9,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import fsspec
@@ -45,6 +51,38 @@ def checkpoints(path: str, every: bool) -> list[str]:
     return [str(root / n) for n in (names if every else names[-1:])]
 
 
+LABEL = re.compile(r"[A-Za-z0-9_.+-]+")
+
+
+def parse_targets(targets: list[str] | tuple[str, ...], every: bool) -> tuple[list[str], list[str | None]]:
+    """`train eval`'s TARGETs → (checkpoint paths, one label or None each). A target is CHECKPOINT|RUN_DIR
+    (a run dir: its newest checkpoint, or all of them with `every`) or LABEL=CHECKPOINT|RUN_DIR; a target
+    that exists as a path is a path even if it holds '='. `every` takes a single unlabeled RUN_DIR."""
+    if every and len(targets) != 1:
+        raise ConfigError(f"--all takes a single RUN_DIR ({len(targets)} targets given)")
+    ckpts: list[str] = []
+    labels: list[str | None] = []
+    for t in targets:
+        label, path = None, t
+        if "=" in t and not os.path.exists(t):
+            label, path = t.split("=", 1)
+            if not LABEL.fullmatch(label):
+                raise ConfigError(f"{t}: bad label {label!r} (LABEL=CHECKPOINT, a LABEL of letters, digits "
+                                  "and _ . + -)")
+            if not path:
+                raise ConfigError(f"{t}: no checkpoint after '{label}='")
+            if every:
+                raise ConfigError(f"{t}: --all does not take a label (each checkpoint is named by its step)")
+        found = checkpoints(path, every)
+        ckpts += found
+        labels += [label] * len(found)
+    names = [lab or os.path.basename(c) for c, lab in zip(ckpts, labels)]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"two targets would both write {dup[0]}.json: give each its own LABEL=")
+    return ckpts, labels
+
+
 def resolve_config(ckpt: str, config_path: str | None, overrides: list[str]) -> TrainConfig:
     run_dir = run_dir_of(ckpt)
     path = config_path or (str(run_dir / "config.yaml") if run_dir else None)
@@ -74,8 +112,12 @@ def checkpoint_tokenizer(cfg: TrainConfig, ckpt: str) -> str | None:
     return (layout.read_manifest(fsspec.filesystem("file"), ckpt).get("meta") or {}).get("tokenizer")
 
 
-def launch(ckpts: list[str], cfg: TrainConfig, out_dir: str, nproc: int, tokenizer: str | None = None) -> int:
-    """Validate, then run the worker under torchrun (standalone, nproc processes)."""
+def launch(ckpts: list[str], cfg: TrainConfig, out_dir: str, nproc: int, tokenizer: str | None = None,
+           labels: list[str | None] | None = None) -> int:
+    """Validate, then run the worker under torchrun (standalone, nproc processes). `labels`: one per
+    checkpoint (None: named by the checkpoint), written as OUT/LABEL.json."""
+    if labels is not None and len(labels) != len(ckpts):
+        raise ValueError(f"{len(labels)} labels for {len(ckpts)} checkpoints")
     cfg.check_world(nproc)
     cfg.validate()
     tok = tokenizer or checkpoint_tokenizer(cfg, ckpts[0])
@@ -88,7 +130,8 @@ def launch(ckpts: list[str], cfg: TrainConfig, out_dir: str, nproc: int, tokeniz
     cfgmod.save(cfg, cfg_path)
     spec = os.path.join(tmp, "spec.json")
     with open(spec, "w") as f:
-        json.dump({"config": cfg_path, "checkpoints": ckpts, "out_dir": out_dir, "tokenizer": tok}, f)
+        json.dump({"config": cfg_path, "checkpoints": ckpts, "labels": labels, "out_dir": out_dir, "tokenizer": tok},
+                  f)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "train.eval.run", spec]
     print("+ " + shlex.join(cmd), flush=True)
@@ -103,32 +146,52 @@ def launch(ckpts: list[str], cfg: TrainConfig, out_dir: str, nproc: int, tokeniz
 
 
 def write_result(out_dir: str, rec: dict) -> str:
+    """OUT/<label>.json for a labeled record, else OUT/<checkpoint>.json; stamps "evaluated_at"."""
     from storage.fs import atomic_write_bytes
 
-    path = os.path.join(out_dir, f"{rec['checkpoint']}.json")
+    rec.setdefault("evaluated_at", time.time())
+    path = os.path.join(out_dir, f"{rec.get('label') or rec['checkpoint']}.json")
     atomic_write_bytes(path, json.dumps(rec, indent=1).encode())
     return path
 
 
-def read_results(run_dir: str) -> list[dict]:
-    folder = Path(run_dir) / "eval"
+def results_folder(path: str) -> Path:
+    """DIR/eval of a run dir, or DIR itself when it is a folder of result JSONs (and has no eval/)."""
+    p = Path(path)
+    if (p / "eval").is_dir() or not any(p.glob("*.json")):
+        return p / "eval"
+    return p
+
+
+def read_results(path: str) -> list[dict]:
+    """The records of a run dir's eval/ or of a results folder. Labeled ones (a chain of runs) are ordered
+    by evaluation time, i.e. in the order the targets were given; otherwise by step."""
+    folder = results_folder(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no evaluation results (run `train eval {run_dir} --all` first)")
+        raise FileNotFoundError(f"{folder}: no evaluation results (run `train eval {path} --all` first)")
     recs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    recs = [r for r in recs if isinstance(r, dict) and "checkpoint" in r and "metrics" in r]
+    if not recs:
+        raise FileNotFoundError(f"{folder}: no `train eval` result files")
+    if any(r.get("label") for r in recs):
+        return sorted(recs, key=lambda r: (r.get("evaluated_at", 0.0), r["step"]))
     return sorted(recs, key=lambda r: r["step"])
 
 
-def table(run_dir: str, metric: str = "acc_norm") -> str:
-    """One row per checkpoint: step, tokens, validation loss and bpb, then `metric` for every task."""
-    recs = read_results(run_dir)
+def table(path: str, metric: str = "acc_norm") -> str:
+    """One row per checkpoint: its label (if any record has one) or name, step, tokens, validation loss and
+    bpb, then `metric` for every task and their mean."""
+    recs = read_results(path)
+    labeled = any(r.get("label") for r in recs)
     tasks = sorted({t for r in recs for t in r.get("tasks", {})})
-    head = ["checkpoint", "step", "tokens", "val loss", "val bpb"] + tasks + ([f"mean {metric}"] if tasks else [])
+    head = (["label" if labeled else "checkpoint", "step", "tokens", "val loss", "val bpb"] + tasks
+            + ([f"mean {metric}"] if tasks else []))
     rows = []
     for r in recs:
         m = r["metrics"]
         vals = [r["tasks"][t]["metrics"].get(metric) if t in r.get("tasks", {}) else None for t in tasks]
         known = [v for v in vals if v is not None]
-        row = [r["checkpoint"], str(r["step"]), f"{r.get('consumed_tokens', 0):,}",
+        row = [r.get("label") or r["checkpoint"], str(r["step"]), f"{r.get('consumed_tokens', 0):,}",
                _f(m.get("val/all/loss"), 4), _f(m.get("val/all/bpb"), 3)] + [_f(v, 3) for v in vals]
         if tasks:
             row.append(_f(sum(known) / len(known), 3) if known else "-")

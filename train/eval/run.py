@@ -1,9 +1,12 @@
 """The `train eval` worker that torchrun starts on every rank: `python -m train.eval.run SPEC.json`.
 
 SPEC (written by `train eval`): {"config": resolved TrainConfig YAML, "checkpoints": [paths],
-"out_dir": folder for one JSON per checkpoint}. The model is built once under the config's TP × PP
-(× DP from the world size); each checkpoint is loaded into it (megatron dist_checkpointing reshards
-any saved layout), then evaluated. Rank 0 writes the results and prints one line per checkpoint.
+"labels": [a label or null per checkpoint] or null, "out_dir": folder for one JSON per checkpoint
+(OUT/<label>.json for a labeled one, else OUT/<checkpoint name>.json), "tokenizer": path or null}.
+The model is built once under the config's TP × PP (× DP from the world size); each checkpoint, of
+any run, is loaded into it (megatron dist_checkpointing reshards any saved layout), then evaluated.
+Rank 0 writes the results (with "evaluated_at", and "label" for a labeled checkpoint) and prints one
+line per checkpoint.
 """
 import warnings
 
@@ -18,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import os
     import sys
+    import time
 
     import fsspec
 
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[warning] {msg}", file=sys.stderr, flush=True)
 
         evaluator = build_evaluator(cfg, chunks, par, tok, dataset, warn=warn)
-        for path in spec["checkpoints"]:
+        labels = spec.get("labels") or [None] * len(spec["checkpoints"])
+        for path, label in zip(spec["checkpoints"], labels):
             root, name = os.path.split(os.path.abspath(path.rstrip("/")))
             manifest = layout.read_manifest(fsspec.filesystem("file"), os.path.join(root, name))
             state = TrainState(model=chunks, optimizer=None, scheduler=None, loader=None)
@@ -60,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             if par.rank == 0:
                 rec = {"checkpoint": name, "path": os.path.join(root, name), "step": manifest["step"],
                        "consumed_tokens": state.consumed_tokens,
-                       "layout": {"tp": par.tp, "pp": par.pp, "dp": par.dp}, "metrics": metrics, "tasks": details}
+                       "layout": {"tp": par.tp, "pp": par.pp, "dp": par.dp}, "evaluated_at": time.time(),
+                       "metrics": metrics, "tasks": details}
+                if label:
+                    rec = {"label": label, **rec}
                 out = write_result(spec["out_dir"], rec)
                 print(format_eval({"step": manifest["step"], **metrics}) + f" -> {out}", flush=True)
         return 0
