@@ -24,6 +24,10 @@ def test_demo_runs_end_to_end(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     assert "resumed at step 20" in res.stdout + res.stderr
+    # a clean console (train.console): library warnings in each run's logs/, no megatron "overwriting"
+    console = res.stdout + res.stderr
+    assert "UserWarning" not in console and "Overwriting old incomplete" not in console, console[-6000:]
+    assert "Transformer Engine and Apex are not installed" in (out / "run" / "logs" / "rank0.log").read_text()
     manifest = json.loads((out / "data" / "manifest.json").read_text())
     assert len(manifest["sources"]) == 2 and len(manifest["mix"]) == 2
     steps = [json.loads(line)["step"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines()

@@ -104,13 +104,23 @@ class MonitorConfig:
     log_every: int = 10              # steps between console/JSONL/TensorBoard records
     tensorboard: bool = True         # also write TensorBoard events to RUN_DIR/tb
     peak_flops: float | None = None  # per device; null: H100/H200 defaults on CUDA, MFU off on CPU
+    comm_share: bool = True          # time collectives (train.comm) and log comm_share: the step's share blocked in them
 
 
 @dataclass
 class AlertConfig:
-    mfu_warn_below: float = 0.30     # warn when MFU falls below this (0: off)
+    mfu_warn_below: float = 0.30     # warn when MFU stays below this for mfu_window records in a row (0: off)
+    mfu_window: int = 5              # consecutive log records below mfu_warn_below before the MFU warning (once per episode)
+    comm_share_warn_above: float = 0.15  # warn when a log window's comm_share is above this (once per episode; 0: off)
     memory_stop_above: float = 0.90  # stop cleanly (after a checkpoint) above this memory fraction (0: off)
     max_consecutive_skips: int = 20  # abort when this many steps in a row are skipped
+
+    def validate(self) -> None:
+        if self.mfu_window < 1:
+            raise ConfigError(f"key 'alerts.mfu_window': must be >= 1, got {self.mfu_window}")
+        for k in ("mfu_warn_below", "comm_share_warn_above", "memory_stop_above"):
+            if not 0.0 <= getattr(self, k) <= 1.0:
+                raise ConfigError(f"key 'alerts.{k}': must be in [0, 1], got {getattr(self, k)}")
 
 
 @dataclass
@@ -146,6 +156,12 @@ class DebugConfig:
     synthetic_data: bool = False     # random tokens generated in memory instead of data.dataset
     inject_nan_step: int = -1        # make the loss NaN at this step (tests the skip-and-count path)
     inject_spike_step: int = -1      # multiply the loss by 100 at this step (tests spike detection)
+    comm_delay_s: float = 0.0        # sleep this long inside every timed collective (tests comm_share)
+    comm_delay_from_step: int = 1    # ...in steps from this one on (1-based, as logged)
+
+    def validate(self) -> None:
+        if self.comm_delay_s < 0:
+            raise ConfigError(f"key 'debug.comm_delay_s': must be >= 0, got {self.comm_delay_s}")
 
 
 @dataclass
@@ -159,7 +175,7 @@ class TrainConfig:
     # dpo: preference pairs (global_batch_size and micro_batch_size count pairs), the `dpo` section's loss
     objective: Literal["pretrain", "sft", "dpo"] = "pretrain"
     epochs: float | None = None      # sft / dpo: passes over the dataset; sets steps (schedules span them)
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: bf16 weights/activations, fp32 master + grads
+    precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # bf16: bf16 weights/activations, fp32 master + grads; fp8: bf16 + FP8 GEMMs via Transformer Engine (GPU >= sm89)
     init: str | None = None          # start from this checkpoint's weights (fresh optimizer/schedule/data, step 0; model shape from it); resume wins
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -209,8 +225,15 @@ class TrainConfig:
             raise ConfigError("key 'checkpoint.distrib_optim_sharding_type': dp_reshardable resumes wrongly "
                               "with megatron-core 0.16 (notes/megatron-cpu.md); use fully_reshardable")
 
+    def bf16_weights(self) -> bool:
+        """bf16 weights and activations (Float16Module, bf16 optimizer): precision bf16, and fp8, whose FP8
+        GEMMs Transformer Engine computes from bf16 weights."""
+        return self.precision in ("bf16", "fp8")
+
     def check_world(self, world: int) -> None:
-        """Checks for a given number of processes; `train launch` runs them before starting torchrun."""
+        """Checks for a given number of processes on this machine; `train launch` runs them before starting
+        torchrun (and every process again at start). Includes the fp8 hardware check."""
+        self.check_precision()
         p = self.parallel
         if world % (p.tp * p.pp):
             raise ConfigError(f"key 'parallel.tp': world size {world} is not divisible by tp × pp = "
@@ -219,6 +242,16 @@ class TrainConfig:
         if p.global_batch_size % (p.micro_batch_size * dp):
             raise ConfigError(f"key 'parallel.global_batch_size': {p.global_batch_size} is not divisible by "
                               f"micro_batch_size × dp = {p.micro_batch_size} × {dp}")
+
+    def check_precision(self) -> None:
+        """precision fp8 needs Transformer Engine and CUDA GPUs of compute capability >= 8.9 here."""
+        if self.precision != "fp8":
+            return
+        reasons = fp8_unsupported_reasons()
+        if reasons:
+            raise ConfigError("key 'precision': fp8 runs through Transformer Engine on a GPU of compute "
+                              f"capability >= 8.9 (Ada, Hopper or newer), not here: {'; '.join(reasons)}. "
+                              "Use precision bf16")
 
     def check_data(self) -> None:
         """The dataset must exist (unless synthetic) and fit the model's vocabulary; dpo needs a reference."""
@@ -284,3 +317,50 @@ class TrainConfig:
             out = dataclasses.replace(out, steps=steps, stop_at=None if self.stop_at is None else min(self.stop_at,
                                                                                                       steps))
         return out
+
+
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_unsupported_reasons() -> list[str]:
+    """Why FP8 training cannot run in this process: no CUDA GPU, a GPU older than compute capability 8.9,
+    Transformer Engine missing (or failing to import), or TE's own FP8 check. Empty when it can."""
+    import importlib.util
+
+    import torch
+
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA GPU is visible")
+    else:
+        for i in range(torch.cuda.device_count()):
+            cap = tuple(torch.cuda.get_device_capability(i))
+            if cap < FP8_MIN_CAPABILITY:
+                reasons.append(f"GPU {i} ({torch.cuda.get_device_name(i)}) has compute capability "
+                               f"{cap[0]}.{cap[1]}, FP8 needs >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}")
+                break
+    if importlib.util.find_spec("transformer_engine") is None:
+        reasons.append("Transformer Engine is not installed (pip install transformer-engine[pytorch])")
+    elif not reasons:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+            from transformer_engine.pytorch import fp8 as te_fp8
+        except Exception as e:  # noqa: BLE001 - a broken TE install is a reason like any other
+            reasons.append(f"Transformer Engine fails to import ({type(e).__name__}: {e})")
+        else:
+            check = getattr(te_fp8, "check_fp8_support", None)
+            ok, why = check() if check is not None else (True, "")
+            if not ok:
+                reasons.append(f"Transformer Engine reports no FP8 support: {why}")
+    return reasons
+
+
+def fp8_transformer_kwargs(precision: str) -> dict:
+    """megatron TransformerConfig keywords for `precision` (empty unless fp8): Megatron-LM's
+    `--fp8-format hybrid` (E4M3 forward, E5M2 gradients) with delayed scaling over an amax history of
+    1024 steps (max), weights kept in bf16 (the FP8 casts happen inside TE's layers). Only meaningful with
+    the Transformer Engine layer spec, which check_precision guarantees is available."""
+    if precision != "fp8":
+        return {}
+    return {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_margin": 0, "fp8_amax_history_len": 1024,
+            "fp8_amax_compute_algo": "max", "fp8_wgrad": True}

@@ -13,7 +13,10 @@ makes all of these work on CPU, and does nothing when CUDA is available:
   `rank % device_count()` does not divide by zero);
 - `CPURNGStatesTracker`, megatron's tracker with the same names and seed offsets
   (`seed` data-parallel, `seed + 2718 + tp_rank` model-parallel, `seed + 1024 + ...` expert) whose
-  states are CPU generator states, so tensor-parallel regions still draw different numbers per TP rank.
+  states are CPU generator states, so tensor-parallel regions still draw different numbers per TP rank;
+- megatron's activation-recompute functions (`CheckpointFunction`, `CheckpointWithoutOutputFunction`)
+  re-enter the mode in their backward, where they rerun forward code: autograd's backward runs inside
+  the mode's handler for `backward`, i.e. with the mode off the stack.
 
 The mode is entered globally (a process-wide mode stack entry) and must be installed at import time
 of the entry module: dist_checkpointing's async writer starts processes with `spawn`, which re-import
@@ -161,6 +164,21 @@ def _patch_rng() -> None:
     if mrandom._CUDA_RNG_STATE_TRACKER is not None and not isinstance(
             mrandom._CUDA_RNG_STATE_TRACKER, CPURNGStatesTracker):
         mrandom.initialize_rng_tracker(force_reset=True)
+    # Activation recompute reruns forward code (e.g. the causal mask's device="cuda") inside autograd's
+    # backward pass, where this mode is off the stack: its handler for `backward` pops it while the whole
+    # backward runs. Megatron's checkpoint functions re-enter it for their recompute.
+    for cls in (mrandom.CheckpointFunction, mrandom.CheckpointWithoutOutputFunction):
+        _SAVED_RNG[cls] = cls.__dict__["backward"]
+        cls.backward = staticmethod(_under_mode(cls.__dict__["backward"].__func__))
+
+
+def _under_mode(backward):
+    def wrapped(ctx, *grads):
+        if _MODE is None or _MODE in torch.overrides._get_current_function_mode_stack():
+            return backward(ctx, *grads)
+        with _MODE:
+            return backward(ctx, *grads)
+    return wrapped
 
 
 def _patch_cuda_module() -> None:
@@ -215,8 +233,11 @@ def uninstall() -> None:
     _SAVED_CUDA.clear()
     from megatron.core.tensor_parallel import random as mrandom
 
-    for name, obj in _SAVED_RNG.items():
-        setattr(mrandom, name, obj)
+    for key, obj in _SAVED_RNG.items():
+        if isinstance(key, type):  # a checkpoint Function class: its original backward
+            key.backward = obj
+        else:
+            setattr(mrandom, key, obj)
     _SAVED_RNG.clear()
     mrandom.initialize_rng_tracker(force_reset=True)
     _INSTALLED = False

@@ -8,7 +8,16 @@ Memory per GPU (the busiest pipeline stage, the first: its layers plus the embed
   s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes in 16-bit; the attention-score term is dropped with a fused
   (flash) attention kernel (Transformer Engine); fp32 doubles it. 1F1B keeps min(PP, micro-batches)
   micro-batches in flight on the first stage.
+- activation recompute (model.recompute): `selective` (megatron's core_attn) drops the attention-score
+  term 5·a·s/(h·t) (already absent with fused attention, so it saves nothing more there); `full` keeps
+  only the layer input (2·s·b·h bytes in 16-bit) of each recomputed layer of the stage (k =
+  model.recompute_layers, default all), plus one layer's full activations while it is recomputed in the
+  backward pass when every layer is recomputed: k·2sbh + (L_stage − k)·A per micro-batch in flight (+ A).
 - logits: s·b·V/t in fp32, twice (logits and their gradient).
+Recompute costs FLOPs: one more forward of the recomputed layers (full: 2 FLOPs per layer matmul parameter
++ 4·s·h attention per token and layer; selective: the attention part 4·s·h per layer). `mfu` is the
+assumed utilisation of the hardware's FLOPs, so tokens/s fall by model / (model + recompute) FLOPs and
+the reported `mfu` (model FLOPs) is that much lower; `hfu` is the assumed figure.
 It is an estimate: allocator fragmentation, communication buffers and workspace come on top.
 """
 from __future__ import annotations
@@ -30,21 +39,29 @@ def estimate(cfg: TrainConfig, world: int, flash_attention: bool = True, mfu: fl
     if p.distributed_optimizer:
         o_b = o_b / dp
     s, b, h, a = cfg.data.seq_len, p.micro_batch_size, m.hidden_size, m.num_heads
-    act_layer = s * b * h * (10 + 24 / t + (0 if flash_attention else 5 * a * s / (h * t)))
+    scores = not flash_attention and m.recompute != "selective"
+    act_layer = s * b * h * (10 + 24 / t + (5 * a * s / (h * t) if scores else 0))
     act_layer *= 1 if bf16 else 2
+    layer_input = 2 * s * b * h * (1 if bf16 else 2)  # what a fully recomputed layer keeps
     nmb = p.num_microbatches(world)
-    activations = (m.num_layers // pp) * act_layer * min(pp, nmb)
+    per_stage, rk = m.num_layers // pp, m.recompute_layers_per_stage(pp)
+    activations = min(pp, nmb) * (rk * layer_input + (per_stage - rk) * act_layer) + (act_layer if rk == per_stage else 0)
     logits = 2 * 4 * s * b * cfg.model.padded_vocab_size(t) / t
     mem = {"weights": params_gpu * w_b, "grads": params_gpu * g_b, "optimizer": params_gpu * o_b,
            "activations": activations, "logits": logits}
     total = sum(mem.values())
     fpt = flops_per_token(cfg.model, s)
+    hq, hkv = m.num_heads * (h // m.num_heads), m.num_kv_heads * (h // m.num_heads)
+    layer_fwd = 2 * (h * hq + 2 * h * hkv + hq * h + 3 * h * m.ffn_hidden_size) + 4 * s * hq
+    recompute_fpt = rk * pp * layer_fwd if m.recompute == "full" else \
+        (m.num_layers * 4 * s * hq if m.recompute == "selective" else 0)
     peak = peak or cfg.monitor.peak_flops or PEAK_BF16["H100"]
-    tps_gpu = mfu * peak / fpt
+    tps_gpu = mfu * peak / (fpt + recompute_fpt)
     return {"params": n["total"], "params_per_gpu": params_gpu, "flops_per_token": fpt,
+            "recompute_flops_per_token": recompute_fpt, "recompute": m.recompute, "recompute_layers_per_stage": rk,
             "memory_gib": {k: v / 2**30 for k, v in mem.items()}, "memory_total_gib": total / 2**30,
-            "tp": t, "pp": pp, "dp": dp, "num_microbatches": nmb, "mfu": mfu, "peak_flops": peak,
-            "tokens_per_s_per_gpu": tps_gpu, "tokens_per_s": tps_gpu * world,
+            "tp": t, "pp": pp, "dp": dp, "num_microbatches": nmb, "mfu": mfu * fpt / (fpt + recompute_fpt) if recompute_fpt else mfu,
+            "hfu": mfu, "peak_flops": peak, "tokens_per_s_per_gpu": tps_gpu, "tokens_per_s": tps_gpu * world,
             "step_time_s": p.global_batch_size * s / (tps_gpu * world)}
 
 
@@ -62,4 +79,10 @@ def format_estimate(e: dict, cfg: TrainConfig) -> str:
         f"throughput   {e['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {e['tokens_per_s']:,.0f} total, "
         f"{e['step_time_s']:.2f} s/step at MFU {100 * e['mfu']:.0f}% of {e['peak_flops'] / 1e12:,.0f} TFLOP/s",
     ]
+    if e["recompute"] != "none":
+        what = (f"full, {e['recompute_layers_per_stage']} layers per stage" if e["recompute"] == "full"
+                else "selective (attention scores)")
+        lines.append(f"recompute    {what}: +{e['recompute_flops_per_token'] / 1e9:,.2f} GFLOP/token "
+                     f"(+{100 * e['recompute_flops_per_token'] / e['flops_per_token']:.0f}%), "
+                     f"{100 * e['hfu']:.0f}% hardware FLOP utilisation assumed")
     return "\n".join(lines)

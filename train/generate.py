@@ -1,9 +1,9 @@
 """`train generate`: talk to a checkpoint or a Hugging Face folder (chat template, then greedy or sampled
 generation until the end-of-turn token or EOS).
 
-One code path for both: a checkpoint becomes a transformers `LlamaForCausalLM` in memory through the same
-name mapping as the HF export (`export_hf.llama_weights`), and transformers' `generate` does the rest (KV
-cache, sampling). Where the pieces come from:
+One code path for both: a checkpoint becomes a transformers Llama model (SmolLM3 when it has NoPE layers)
+in memory through the same name mapping as the HF export (`export_hf.llama_weights`), and transformers'
+`generate` does the rest (KV cache, sampling). Where the pieces come from:
 
 - tokenizer: the HF folder's; an imported checkpoint's carried `hf/` files; else the dataset tokenizer the
   checkpoint recorded (`meta.tokenizer`), with the dataset's EOS;
@@ -68,7 +68,7 @@ def end_of_turn_ids(template: str, tok) -> list[int]:
 
 
 def _from_checkpoint(path: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from storage.fs import read_bytes
     from train.checkpoint.export_hf import carried_dir, llama_weights
@@ -76,7 +76,8 @@ def _from_checkpoint(path: str):
 
     hf, config, m = llama_weights(path)
     config = {k: v for k, v in config.items() if k not in ("smoltrain_checkpoint", "torch_dtype")}
-    model = LlamaForCausalLM(LlamaConfig(**config))
+    # the export's config: Llama, or SmolLM3 when the model has NoPE layers
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in hf.items()}, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"} or (missing and not config["tie_word_embeddings"]):
         raise GenerateError(f"{path}: weights do not fit the Llama model (missing {missing}, unexpected {unexpected})")

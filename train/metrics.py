@@ -42,7 +42,9 @@ def peak_flops(configured: float | None, precision: str = "bf16") -> float | Non
     name = torch.cuda.get_device_name()
     for key, value in PEAK_BF16.items():
         if key in name:
-            return value if precision == "bf16" else value / 2  # TF32 tensor cores: half the bf16 rate
+            # fp8 is measured against the bf16 peak too (its tensor-core peak is twice that); fp32 runs
+            # on TF32 tensor cores: half the bf16 rate
+            return value if precision in ("bf16", "fp8") else value / 2
     return None
 
 
@@ -133,6 +135,8 @@ def format_record(r: dict) -> str:
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"gnorm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
              f"{r['tokens_per_s']:,.0f} tok/s", f"{r['step_time_s'] * 1000:.0f} ms/step",
              f"data {100 * r['data_wait_share']:.1f}%"]
+    if r.get("comm_share") is not None:
+        parts.append(f"comm {100 * r['comm_share']:.1f}%")
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     mem = r.get("reserved_gib", r.get("rss_gib"))
@@ -156,18 +160,61 @@ def format_eval(r: dict) -> str:
 
 
 class Alerts:
-    """MFU below a threshold → warning (once per log interval); memory above a threshold → stop."""
+    """Warnings and the memory stop, checked on every metrics record.
 
-    def __init__(self, mfu_warn_below: float, memory_stop_above: float):
+    - MFU: a warning when MFU stays below `mfu_warn_below` for `mfu_window` consecutive records (one noisy
+      record does not fire); once per episode: it re-arms after a record at or above the threshold.
+      Records without MFU (no peak known) leave the count as it is.
+    - Communication: a warning when a record's `comm_share` (a mean over its log window and the ranks) is
+      above `comm_share_warn_above`; once per episode, re-armed by a record at or below it. The first
+      record of a run (or of a resumed one) is not judged: it holds the warm-up (NCCL communicator set-up
+      at the first collective of each group, first-batch work).
+    - Memory: the fraction above `memory_stop_above` → a stop reason (the trainer stops cleanly).
+    A threshold of 0 turns its alert off."""
+
+    def __init__(self, mfu_warn_below: float, memory_stop_above: float, mfu_window: int = 5,
+                 comm_share_warn_above: float = 0.15):
         self.mfu_warn_below, self.memory_stop_above = mfu_warn_below, memory_stop_above
+        self.mfu_window, self.comm_share_warn_above = max(1, mfu_window), comm_share_warn_above
+        self._mfu_low: list[float] = []   # the last (up to mfu_window) records of the current low run
+        self._mfu_fired = False
+        self._comm_fired = False
+        self._records = 0
 
     def check(self, rec: dict) -> tuple[list[str], str | None]:
         """(warnings, stop reason or None) for one metrics record."""
         warnings = []
-        if self.mfu_warn_below and rec.get("mfu") is not None and rec["mfu"] < self.mfu_warn_below:
-            warnings.append(f"MFU {100 * rec['mfu']:.1f}% is below {100 * self.mfu_warn_below:.0f}%")
+        self._records += 1
+        m = rec.get("mfu")
+        if self.mfu_warn_below and m is not None:
+            if m < self.mfu_warn_below:
+                self._mfu_low = (self._mfu_low + [m])[-self.mfu_window:]
+                if len(self._mfu_low) == self.mfu_window and not self._mfu_fired:
+                    self._mfu_fired = True
+                    low = self._mfu_low
+                    warnings.append(f"MFU has stayed below {100 * self.mfu_warn_below:.0f}% for {len(low)} "
+                                    f"records (mean {100 * sum(low) / len(low):.1f}%, last {100 * m:.1f}%)")
+            else:
+                self._mfu_low, self._mfu_fired = [], False
+        c = rec.get("comm_share")
+        if self.comm_share_warn_above and c is not None and self._records > 1:
+            if c > self.comm_share_warn_above:
+                if not self._comm_fired:
+                    self._comm_fired = True
+                    warnings.append(f"communication is {100 * c:.1f}% of step time (above "
+                                    f"{100 * self.comm_share_warn_above:.0f}%; {_comm_breakdown(rec)})")
+            else:
+                self._comm_fired = False
         stop = None
         if self.memory_stop_above and rec["mem_fraction"] > self.memory_stop_above:
             stop = (f"memory at {100 * rec['mem_fraction']:.1f}% is above "
                     f"{100 * self.memory_stop_above:.0f}%: stopping cleanly")
         return warnings, stop
+
+
+def _comm_breakdown(rec: dict) -> str:
+    from train.comm import KINDS
+
+    parts = [f"{k} {100 * rec[f'comm_share_{k}']:.1f}%" for k in KINDS if rec.get(f"comm_share_{k}")]
+    worst = rec.get("comm_share_max")
+    return ", ".join(parts + ([f"worst rank {100 * worst:.1f}%"] if worst is not None else []))

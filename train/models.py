@@ -3,16 +3,25 @@
 All presets are Llama-style: RMSNorm, SwiGLU, RoPE (configurable θ), GQA, no biases, tied embeddings.
 The published shapes:
 
-| preset | hidden | layers | heads | kv | ffn   | vocab   | θ       | source            |
-|--------|--------|--------|-------|----|-------|---------|---------|-------------------|
-| tiny   | 128    | 4      | 4     | 2  | 352   | 1024    | 10 000  | CPU tests         |
-| 135m   | 576    | 30     | 9     | 3  | 1536  | 49 152  | 100 000 | SmolLM2-135M      |
-| 360m   | 960    | 32     | 15    | 5  | 2560  | 49 152  | 100 000 | SmolLM2-360M      |
-| 1.7b   | 2048   | 24     | 32    | 32 | 8192  | 49 152  | 130 000 | SmolLM2-1.7B      |
-| 3b     | 2048   | 36     | 16    | 4  | 11008 | 128 256 | 5e6     | SmolLM3-3B        |
+| preset | hidden | layers | heads | kv | ffn   | vocab   | θ       | NoPE every | source            |
+|--------|--------|--------|-------|----|-------|---------|---------|------------|-------------------|
+| tiny   | 128    | 4      | 4     | 2  | 352   | 1024    | 10 000  | -          | CPU tests         |
+| 135m   | 576    | 30     | 9     | 3  | 1536  | 49 152  | 100 000 | -          | SmolLM2-135M      |
+| 360m   | 960    | 32     | 15    | 5  | 2560  | 49 152  | 100 000 | -          | SmolLM2-360M      |
+| 1.7b   | 2048   | 24     | 32    | 32 | 8192  | 49 152  | 130 000 | -          | SmolLM2-1.7B      |
+| 3b     | 2048   | 36     | 16    | 4  | 11008 | 128 256 | 5e6     | 4          | SmolLM3-3B        |
 
-(SmolLM3 also drops RoPE in every 4th layer, "NoPE"; the local layer spec has no per-layer switch for
-that, so the 3b preset uses RoPE everywhere.)
+NoPE (`no_rope_every: N`, megatron's `no_rope_freq`): layers N, 2N, 3N, ... (1-based) get no rotary
+embedding, as SmolLM3 (transformers' `no_rope_layers[i] = int((i + 1) % N != 0)`, 1 = RoPE); it adds no
+parameters. It is passed to megatron as a per-layer list, so the depth need not be a multiple of N, and
+it works with the local layer spec (megatron's attention drops `rotary_pos_emb` for those layers).
+
+Activation recompute (`recompute`): `selective` is megatron's `recompute_granularity='selective'` with its
+default `recompute_modules=['core_attn']` (the attention scores / softmax / dropout region is recomputed
+in the backward pass: a saving only where attention is not fused, e.g. the local spec); `full` recomputes
+whole layers from their inputs: `recompute_layers: k` → megatron `recompute_method='block'` with k layers
+per pipeline stage, null (or k ≥ the stage's layers) → `'uniform'` with 1 layer per unit (every layer).
+Both give bit-identical losses and gradients on CPU (tests at TP1, TP2, PP2).
 
 megatron is imported lazily so that config validation and `train estimate` stay fast.
 """
@@ -26,17 +35,24 @@ from storage.config import ConfigError
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=352,
-                 vocab_size=1024, max_position_embeddings=1024, rope_theta=10000.0, norm_eps=1e-5),
+                 vocab_size=1024, max_position_embeddings=1024, rope_theta=10000.0, norm_eps=1e-5,
+                 no_rope_every=0),
     "135m": dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, ffn_hidden_size=1536,
-                 vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, norm_eps=1e-5),
+                 vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, norm_eps=1e-5,
+                 no_rope_every=0),
     "360m": dict(hidden_size=960, num_layers=32, num_heads=15, num_kv_heads=5, ffn_hidden_size=2560,
-                 vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, norm_eps=1e-5),
+                 vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, norm_eps=1e-5,
+                 no_rope_every=0),
     "1.7b": dict(hidden_size=2048, num_layers=24, num_heads=32, num_kv_heads=32, ffn_hidden_size=8192,
-                 vocab_size=49152, max_position_embeddings=8192, rope_theta=130000.0, norm_eps=1e-5),
+                 vocab_size=49152, max_position_embeddings=8192, rope_theta=130000.0, norm_eps=1e-5,
+                 no_rope_every=0),
     "3b": dict(hidden_size=2048, num_layers=36, num_heads=16, num_kv_heads=4, ffn_hidden_size=11008,
-               vocab_size=128256, max_position_embeddings=65536, rope_theta=5_000_000.0, norm_eps=1e-6),
+               vocab_size=128256, max_position_embeddings=65536, rope_theta=5_000_000.0, norm_eps=1e-6,
+               no_rope_every=4),
 }
-SHAPE_KEYS = tuple(PRESETS["tiny"])
+# Keys a preset fills; SHAPE_KEYS are the positive sizes among them.
+PRESET_KEYS = tuple(PRESETS["tiny"])
+SHAPE_KEYS = tuple(k for k in PRESET_KEYS if k != "no_rope_every")
 
 
 @dataclass
@@ -52,6 +68,7 @@ class ModelConfig:
     max_position_embeddings: int | None = None
     rope_theta: float | None = None  # RoPE base θ
     norm_eps: float | None = None    # RMSNorm epsilon
+    no_rope_every: int | None = None  # NoPE: layers N, 2N, ... (1-based) skip RoPE (megatron no_rope_freq); 0: RoPE in all; null: preset's (3b: 4)
     tie_embeddings: bool = True      # output layer shares the embedding matrix
     init_std: float = 0.02           # normal init std; output projections use std / sqrt(2 · layers)
     dropout: float = 0.0             # hidden and attention dropout
@@ -60,6 +77,8 @@ class ModelConfig:
     # layout_invariant: every parameter is drawn from a generator seeded by (seed, its global name) and
     # then sliced, so TP/PP layouts start from identical weights; megatron: megatron's own init.
     init: Literal["layout_invariant", "megatron"] = "layout_invariant"
+    recompute: Literal["none", "selective", "full"] = "none"  # activation recompute: selective = attention scores/softmax (megatron core_attn); full = whole layers
+    recompute_layers: int | None = None  # full: layers recomputed per pipeline stage (megatron block method); null: every layer
 
     def validate(self) -> None:
         if self.preset not in PRESETS:
@@ -77,11 +96,37 @@ class ModelConfig:
                               f"{s.num_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"key 'model.dropout': must be in [0, 1), got {self.dropout}")
+        if not 0 <= s.no_rope_every <= s.num_layers:
+            raise ConfigError(f"key 'model.no_rope_every': must be 0 (RoPE in every layer) or 1..num_layers "
+                              f"({s.num_layers}), got {s.no_rope_every}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError(f"key 'model.recompute': none, selective or full, got {self.recompute!r}")
+        if self.recompute_layers is not None:
+            if self.recompute != "full":
+                raise ConfigError(f"key 'model.recompute_layers': only with model.recompute: full (megatron's "
+                                  f"block method), got recompute {self.recompute!r}")
+            if not 1 <= self.recompute_layers <= s.num_layers:
+                raise ConfigError(f"key 'model.recompute_layers': must be 1..num_layers ({s.num_layers}) or "
+                                  f"null (every layer), got {self.recompute_layers}")
 
     def resolved(self) -> ModelConfig:
         """A copy with every preset key filled in."""
         base = PRESETS.get(self.preset, PRESETS["tiny"])
         return dataclasses.replace(self, **{k: v for k, v in base.items() if getattr(self, k) is None})
+
+    def no_rope_layers(self) -> list[int] | None:
+        """megatron's `no_rope_freq` as a per-layer list (1 = no RoPE in that layer), or None for all-RoPE.
+        The inverse of transformers' SmolLM3 `no_rope_layers` (1 = RoPE)."""
+        s = self.resolved()
+        n = s.no_rope_every
+        return [int((i + 1) % n == 0) for i in range(s.num_layers)] if n else None
+
+    def recompute_layers_per_stage(self, pp: int = 1) -> int:
+        """Layers of one pipeline stage whose activations are recomputed (full recompute), else 0."""
+        if self.recompute != "full":
+            return 0
+        per_stage = self.resolved().num_layers // pp
+        return per_stage if self.recompute_layers is None else min(self.recompute_layers, per_stage)
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Embedding rows: vocab rounded up to a multiple of make_vocab_size_divisible_by × TP."""
@@ -91,15 +136,25 @@ class ModelConfig:
 
 
 def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = False,
-                       per_token_loss: bool = False):
+                       per_token_loss: bool = False, precision: str = "fp32"):
     """megatron TransformerConfig for `cfg`. TP and PP sizes must be given, or every pipeline stage
     silently builds all layers. `per_token_loss`: micro-batch losses are sums, and gradients are divided
-    by the step's global count of loss tokens (megatron's calculate_per_token_loss)."""
+    by the step's global count of loss tokens (megatron's calculate_per_token_loss). `precision` fp8 adds
+    Transformer Engine's FP8 recipe (train.config.fp8_transformer_kwargs; bf16 weights)."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from train.config import fp8_transformer_kwargs
+
     s = cfg.resolved()
     dtype = torch.bfloat16 if bf16 else torch.float32
+    recompute = {}
+    if s.recompute == "selective":  # megatron's default recompute_modules: ["core_attn"]
+        recompute = dict(recompute_granularity="selective")
+    elif s.recompute == "full":
+        k, per_stage = s.recompute_layers_per_stage(pp), s.num_layers // pp
+        recompute = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=k) \
+            if k < per_stage else dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(
         num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_heads,
         num_query_groups=s.num_kv_heads, ffn_hidden_size=s.ffn_hidden_size,
@@ -116,6 +171,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False, calculate_per_token_loss=per_token_loss,
+        no_rope_freq=s.no_rope_layers(), **recompute, **fp8_transformer_kwargs(precision),
     )
 
 
@@ -131,7 +187,7 @@ def layer_spec(use_te: bool | None = None):
 
 
 def build_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = False, seed: int = 1234,
-                use_te: bool | None = None, per_token_loss: bool = False) -> list:
+                use_te: bool | None = None, per_token_loss: bool = False, precision: str = "fp32") -> list:
     """This rank's GPTModel chunk(s) (a list, one per virtual stage; no virtual stages yet), initialised.
 
     Needs `parallel_state` initialised with the same TP/PP. Returned unwrapped: DDP and Float16Module
@@ -141,7 +197,7 @@ def build_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = Fals
     from megatron.core.models.gpt import GPTModel
 
     s = cfg.resolved()
-    tcfg = transformer_config(cfg, tp=tp, pp=pp, bf16=bf16, per_token_loss=per_token_loss)
+    tcfg = transformer_config(cfg, tp=tp, pp=pp, bf16=bf16, per_token_loss=per_token_loss, precision=precision)
     model = GPTModel(
         config=tcfg, transformer_layer_spec=layer_spec(use_te),
         vocab_size=cfg.padded_vocab_size(tp), max_sequence_length=s.max_position_embeddings,

@@ -20,7 +20,7 @@ def build_optimizer(cfg: TrainConfig, model_chunks: list):
     ocfg = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps,
-        clip_grad=o.clip_grad, bf16=cfg.precision == "bf16",
+        clip_grad=o.clip_grad, bf16=cfg.bf16_weights(),
         params_dtype=model_chunks[0].config.params_dtype,
         use_distributed_optimizer=cfg.parallel.distributed_optimizer,
     )

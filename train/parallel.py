@@ -75,7 +75,7 @@ def set_seeds(seed: int, info: ParallelInfo) -> None:
 
 
 def wrap_ddp(cfg: TrainConfig, chunks: list) -> list:
-    """megatron DDP around each chunk (Float16Module first in bf16); grads reduced in fp32."""
+    """megatron DDP around each chunk (Float16Module first in bf16 and fp8); grads reduced in fp32."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -86,7 +86,7 @@ def wrap_ddp(cfg: TrainConfig, chunks: list) -> list:
     for i, c in enumerate(chunks):
         if torch.cuda.is_available():
             c.cuda(torch.cuda.current_device())
-        if cfg.precision == "bf16":
+        if cfg.bf16_weights():  # bf16, and fp8 (TE casts to FP8 inside its layers)
             c = Float16Module(c.config, c)
         # Bucketing is off for chunks after the first, as Megatron-LM does for virtual stages.
         out.append(DistributedDataParallel(c.config if hasattr(c, "config") else chunks[i].config, dcfg, c,

@@ -132,7 +132,7 @@ class OnlineReference:
         from train.checkpoint.init_from import load_weights
         from train.models import build_model
 
-        self.chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.precision == "bf16", seed=cfg.seed)
+        self.chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.bf16_weights(), seed=cfg.seed)
         if torch.cuda.is_available():
             for c in self.chunks:
                 c.cuda(torch.cuda.current_device())
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = cfgmod.load(TrainConfig, spec["config"], [])
     par = parallel.init(cfg)
     try:
-        chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.precision == "bf16", seed=cfg.seed)
+        chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.bf16_weights(), seed=cfg.seed)
         load_weights(chunks, None, spec["reference"])
         for split in spec["splits"]:
             out = compute(chunks, par, cfg.data.dataset, spec["reference"], split,

@@ -1,20 +1,18 @@
 """Per-process entry point that `train launch` hands to torchrun: `python -m train.run CONFIG [KEY=VALUE...]`.
 
-The CPU compatibility layer is installed at import time, before megatron is imported anywhere: the
-async checkpoint writer starts processes with `spawn`, which re-import this module (as `__mp_main__`)
-and nothing else. The `__main__` guard keeps those processes from re-running training.
+The console/log-file routing (train.console) and the CPU compatibility layer are installed at import time,
+before megatron is imported anywhere: the async checkpoint writer starts processes with `spawn`, which
+re-import this module (as `__mp_main__`) and nothing else. The `__main__` guard keeps those processes from
+re-running training. Library warnings and megatron's messages go to RUN_DIR/logs/rank<RANK>.log.
 """
-import warnings
+from train import console, cpu_compat
 
-from train import cpu_compat
-
+console.quiet()  # before cpu_compat: its install imports megatron, whose import warns
 cpu_compat.install()
-# megatron warns at every import that TE/Apex are absent (expected on CPU; the local spec is used).
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
-warnings.filterwarnings("ignore", message=r".*cuda_graph_scope")
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
     import sys
 
     from storage import config as cfgmod
@@ -26,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m train.run CONFIG [KEY=VALUE ...]", file=sys.stderr)
         return 2
     cfg = cfgmod.load(TrainConfig, argv[0], argv[1:])
+    console.to_file(console.log_path(os.path.join(cfg.run_dir, "logs")))  # no-op when launch named it
+    line = console.notice()  # once per run: what megatron's import warnings amount to, where they went
+    if line and os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
     return run(cfg)
 
 

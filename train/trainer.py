@@ -6,6 +6,7 @@ Read `Trainer.__init__` and `Trainer.train_step` top to bottom; each concern liv
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from functools import partial
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from storage import config as cfgmod
 from train import parallel
+from train.comm import CommTimer, window_metrics
 from train.config import TrainConfig
 from train.data import make_loader
 from train.docmask import micro_batch, rope_positions
@@ -40,8 +42,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfgmod.save(cfg, self.run_dir / "config.yaml")
 
-        chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.precision == "bf16", seed=cfg.seed,
-                             per_token_loss=cfg.objective != "pretrain")
+        chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.bf16_weights(), seed=cfg.seed,
+                             per_token_loss=cfg.objective != "pretrain", precision=cfg.precision)
         self.model = parallel.wrap_ddp(cfg, chunks)
         tcfg = chunks[0].config
         # The schedule calls these: DP grad all-reduce (or reduce-scatter), tied-embedding and layernorm
@@ -57,7 +59,8 @@ class Trainer:
                                 loader=self.loader, extra={"skipped_steps": 0, "nonfinite_steps": 0,
                                                            "spike_steps": 0, "consecutive_skips": 0})
         self.sinks = Sinks(self.run_dir, cfg.monitor.tensorboard, enabled=par.rank == 0)
-        self.alerts = Alerts(cfg.alerts.mfu_warn_below, cfg.alerts.memory_stop_above)
+        a = cfg.alerts
+        self.alerts = Alerts(a.mfu_warn_below, a.memory_stop_above, a.mfu_window, a.comm_share_warn_above)
         self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_flops(cfg.monitor.peak_flops, cfg.precision)
         self.ckpt = _checkpoint_manager(cfg, self.run_dir)
@@ -68,6 +71,21 @@ class Trainer:
 
             self.dpo = DPOObjective(cfg, par, self.model, self.sinks)
         self.stop_reason: str | None = None
+        # Time in collectives during train_step (train.comm): DP grad sync, TP exchanges, PP send/recv.
+        self.comm = CommTimer() if cfg.monitor.comm_share else None
+        if self.comm is not None:
+            self.comm.install()
+
+    def _measuring(self):
+        """Count communication during the training step (with debug.comm_delay_s from its step on)."""
+        if self.comm is None:
+            return contextlib.nullcontext()
+        d = self.cfg.debug
+        return self.comm.measuring(d.comm_delay_s if self.state.step + 1 >= d.comm_delay_from_step else 0.0)
+
+    def _not_measured(self):
+        """The monitoring's own reductions (and checkpoint waits) are not training communication."""
+        return self.comm.paused() if self.comm is not None else contextlib.nullcontext()
 
     # ---------------------------------------------------------------- one step
     def _forward_step(self, data_iterator, model):
@@ -104,6 +122,10 @@ class Trainer:
         return total
 
     def train_step(self) -> dict:
+        with self._measuring():
+            return self._train_step()
+
+    def _train_step(self) -> dict:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cfg, par, st = self.cfg, self.par, self.state
@@ -125,7 +147,8 @@ class Trainer:
                 forward_step_func=self._forward_step, data_iterator=micro, model=self.model,
                 num_microbatches=par.num_microbatches, seq_length=self.docs_seq_len(mbs, batch),
                 micro_batch_size=1 if self.docs["varlen"] else mbs, forward_only=False)
-        report = self._global_report(reports)
+        with self._not_measured():
+            report = self._global_report(reports)
         loss = float(report[0] / report[1]) if report[1] > 0 else float("nan")
         loss_tokens, nonpad = int(report[1]), int(report[2])
         norm = grad_norm(self.optimizer)
@@ -142,7 +165,8 @@ class Trainer:
                 skip = "spike"
         if skip is None:
             if self.ckpt is not None:
-                self.ckpt.before_update()  # an async save's host copy must finish before the state changes
+                with self._not_measured():
+                    self.ckpt.before_update()  # an async save's host copy must finish before the state changes
             clip_and_step(self.optimizer, norm, cfg.optim.clip_grad)
             self.scheduler.step()
             self.spikes.accept(loss)
@@ -247,13 +271,15 @@ class Trainer:
                                                "reward_accuracy", "logps_chosen", "logps_rejected") if k in window[-1]}
         mem = memory_stats()
         mem["fraction"] = parallel.all_reduce_max(mem["fraction"], par.device)
+        # time blocked in collectives / step time over this window: mean and worst over ranks, and by kind
+        comm = window_metrics(self.comm.collect(), elapsed, par.device) if self.comm is not None else {}
         rec = {"step": st.step, "loss": window[-1]["loss"], "grad_norm": window[-1]["grad_norm"],
                "lr": window[-1]["lr"], "tokens_per_s": tps, "tokens_per_s_per_device": tps / par.world,
                "step_time_s": elapsed / len(window),
                "data_wait_share": sum(w["data_wait_s"] for w in window) / elapsed if elapsed > 0 else 0.0,
                "mfu": mfu(tps / par.world, self.fpt, self.peak), "consumed_tokens": st.consumed_tokens,
                "skipped_steps": st.extra["skipped_steps"], "nonfinite_steps": st.extra["nonfinite_steps"],
-               "spike_steps": st.extra["spike_steps"], "mem_fraction": mem.pop("fraction"), **mem, **sft}
+               "spike_steps": st.extra["spike_steps"], "mem_fraction": mem.pop("fraction"), **comm, **mem, **sft}
         self.sinks.log(rec)
         warnings, stop = self.alerts.check(rec)
         for w in warnings:
@@ -264,6 +290,9 @@ class Trainer:
         return rec
 
     def close(self) -> None:
+        if self.comm is not None:
+            self.comm.uninstall()
+            self.comm = None
         if self.ckpt is not None:
             self.ckpt.wait()
             self.ckpt.close()
@@ -290,7 +319,8 @@ def _checkpoint_manager(cfg: TrainConfig, run_dir: Path):
     """train.checkpoint's manager; the manifest records the resolved model config (for HF export)."""
     from train.checkpoint import CheckpointManager
 
-    meta = {"model": cfgmod.to_plain(cfg.model.resolved()), "precision": cfg.precision,
+    # precision of the stored weights (fp8 trains bf16 weights): what init, eval and merge read
+    meta = {"model": cfgmod.to_plain(cfg.model.resolved()), "precision": "bf16" if cfg.bf16_weights() else "fp32",
             "seq_len": cfg.data.seq_len, "padded_vocab_size": cfg.model.padded_vocab_size(cfg.parallel.tp)}
     if cfg.data.dataset and not cfg.debug.synthetic_data:  # lets `train ckpt export` ship the tokenizer
         from storage import fs

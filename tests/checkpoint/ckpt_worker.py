@@ -114,6 +114,35 @@ def train_step(state, args):
 
 
 MGR = None  # the CheckpointManager: train_step calls its before_update() hook
+DELAY_ENV = "CKPT_WORKER_RANK0_SAVE_DELAY_S"  # rank 0 enters megatron's save() this late (the race of
+# train.checkpoint.save._after_empty_check made certain: the other ranks are in the folder first)
+
+
+def _delay_rank0_saves(seconds: float) -> None:
+    import time
+
+    from megatron.core import dist_checkpointing
+
+    orig = dist_checkpointing.save
+
+    def slow_save(*a, **kw):
+        time.sleep(seconds)
+        return orig(*a, **kw)
+    dist_checkpointing.save = slow_save
+
+
+def _capture_megatron_warnings() -> list[str]:
+    """Messages megatron's dist_checkpointing logs at WARNING or above in this process."""
+    import logging
+
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+    lg = logging.getLogger("megatron.core.dist_checkpointing")
+    lg.addHandler(Keep(logging.WARNING))
+    return got
 
 
 def main():
@@ -143,6 +172,9 @@ def main():
     from train.checkpoint import CheckpointConfig, CheckpointManager
 
     state = build(args)
+    if os.environ.get(DELAY_ENV) and dist.get_rank() == 0:
+        _delay_rank0_saves(float(os.environ[DELAY_ENV]))
+    megatron_warnings = _capture_megatron_warnings()
     cfg = CheckpointConfig(dir="ckpt", full_every=args.full_every, incremental_every=args.incremental_every,
                            keep_last=args.keep_last, keep_full_every=0, async_save=not args.sync,
                            offload_url=args.offload_url, keep_local=args.keep_local)
@@ -156,6 +188,7 @@ def main():
         mgr.maybe_save(state)
     mgr.close()
     trace["failed"] = mgr.failed
+    trace["megatron_warnings"] = megatron_warnings
     if args.dump_logits and dist.get_rank() == 0:
         from megatron.core.utils import unwrap_model
         model = unwrap_model(state.model)[0].eval()

@@ -1,7 +1,7 @@
 """End to end through `train launch` (torchrun, 2 gloo processes, DistributedOptimizer, real shard
 dataset): kill -9 the run while an async checkpoint save is in flight (the save of a step drawn from a
 seeded RNG), relaunch, and the loss / grad-norm / data trace after the auto-resume is bit-identical to an
-uninterrupted run."""
+uninterrupted run. The uninterrupted run's console is also checked to be clean (train.console)."""
 from __future__ import annotations
 
 import os
@@ -41,6 +41,20 @@ def _launch(cfg_path, log_path, kill_when=None):
 _records = metric_records
 
 
+def _assert_clean_console(console: str, run_dir) -> None:
+    """A clean console (train.console): megatron's import warnings went to each rank's log file, the one
+    setup line says what they amount to, and none of the 6 async saves (2 ranks) made megatron think it
+    overwrote an old checkpoint (the race fixed in train.checkpoint.save._after_empty_check)."""
+    assert "UserWarning" not in console and "warnings.warn(" not in console, console[-3000:]
+    assert console.count("[setup] Transformer Engine not installed") == 1, console[-3000:]
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("rank*.log")}
+    assert sorted(logs) == ["rank0.log", "rank1.log"], sorted(logs)
+    assert all("Transformer Engine and Apex are not installed" in t for t in logs.values())
+    assert "committed" in logs["rank0.log"]  # our checkpoint INFO lines land in the file
+    for text in [console, *logs.values()]:
+        assert "Overwriting old incomplete" not in text
+
+
 def test_kill_9_and_auto_resume_is_bit_identical(tmp_path):
     dataset = str(tmp_path / "ds")
     write_random_dataset(dataset, {"web": 60, "code": 30}, vocab_size=1000)
@@ -48,6 +62,7 @@ def test_kill_9_and_auto_resume_is_bit_identical(tmp_path):
     assert _launch(_config(tmp_path, ref_dir, dataset), tmp_path / "ref.log") == 0, (tmp_path / "ref.log").read_text()[-5000:]
     ref = {r["step"]: r for r in _records(ref_dir)}
     assert sorted(ref) == list(range(1, 13))
+    _assert_clean_console((tmp_path / "ref.log").read_text(), ref_dir)
 
     # saves every 2 steps (incremental_every 2, full_every 4): kill during the save of the first saved step
     # at or after a step drawn from the seed, while its folder is still .tmp-step_* (written, not committed)

@@ -46,9 +46,10 @@ def run_worker(run_dir, steps, nproc=2, extra=(), env=None, check=True):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted DP=2 run with the distributed optimizer: full every 4, incremental every 2."""
+    """Uninterrupted DP=2 run with the distributed optimizer: full every 4, incremental every 2. Rank 0
+    enters each save 0.3 s late (the other rank is first in the folder: see test_no_overwriting_warning)."""
     run = tmp_path_factory.mktemp("ref")
-    trace = run_worker(run, 10, extra=["--distopt"])
+    trace = run_worker(run, 10, extra=["--distopt"], env={"CKPT_WORKER_RANK0_SAVE_DELAY_S": "0.3"})
     assert trace["failed"] == []
     names = sorted(os.listdir(run / "ckpt"))
     assert names == ["latest", "step_00000002", "step_00000004", "step_00000006", "step_00000008",
@@ -83,6 +84,14 @@ def test_resume_from_incremental_is_bit_exact_and_broken_ones_are_skipped(refere
     assert "step_00000010/delta/rank00000.bin: checksum mismatch" in got["skipped"][0]
     assert "step_00000008/common.pt: file is missing" in got["skipped"][1]
     assert_same_trace(got, ref, 7)  # loss, grad norm and loader position
+
+
+def test_no_overwriting_warning_on_healthy_async_saves(reference):
+    """megatron's save() checks on rank 0 alone that the folder is empty; rank 0 entered each of the 5
+    saves 0.3 s after the other rank, which without train.checkpoint.save's rendezvous wrote its files
+    into the folder first and made megatron warn "Overwriting old incomplete / corrupted checkpoint"."""
+    _, ref = reference
+    assert ref["megatron_warnings"] == [], ref["megatron_warnings"]
 
 
 def test_distopt_step_sharing_fix_matters(reference, tmp_path):

@@ -104,13 +104,104 @@ def test_flops_per_token_formula():
     assert mfu(1000.0, 1e9, None) is None
 
 
-def test_alerts():
-    a = Alerts(mfu_warn_below=0.3, memory_stop_above=0.9)
-    w, stop = a.check({"mfu": 0.2, "mem_fraction": 0.5})
-    assert len(w) == 1 and "MFU 20.0%" in w[0] and stop is None
+def _mfu_warnings(a: Alerts, mfus) -> list[int]:
+    """Indices of the records (MFU values, None: unknown) on which an MFU warning fired."""
+    return [i for i, m in enumerate(mfus) if any("MFU" in w for w in a.check({"mfu": m, "mem_fraction": 0.1})[0])]
+
+
+def test_mfu_alert_fires_when_sustained_once_per_episode():
+    low, ok = 0.2, 0.35
+    a = Alerts(mfu_warn_below=0.3, memory_stop_above=0.9, mfu_window=3)
+    # one noisy record, two in a row: nothing; the third in a row fires; the episode stays quiet;
+    # a record at or above the threshold re-arms it; records without MFU neither count nor reset
+    mfus = [low, ok, low, low, ok, low, low, low, low, low, ok, low, None, low, low, low]
+    assert _mfu_warnings(a, mfus) == [7, 14]
+    w, _ = Alerts(0.3, 0.9, mfu_window=2).check({"mfu": 0.2, "mem_fraction": 0.1})
+    assert w == []
+    a = Alerts(0.3, 0.9)  # default window: 5 records
+    assert _mfu_warnings(a, [low] * 12) == [4]
+    w = Alerts(0.3, 0.9, mfu_window=1).check({"mfu": 0.2, "mem_fraction": 0.1})[0]
+    assert len(w) == 1 and "below 30%" in w[0] and "last 20.0%" in w[0]
+    assert _mfu_warnings(Alerts(0.0, 0.0, mfu_window=1), [0.01, 0.01]) == []  # 0: off
+
+
+def test_comm_and_memory_alerts():
+    a = Alerts(mfu_warn_below=0.3, memory_stop_above=0.9, comm_share_warn_above=0.15)
+    shares = [0.5, 0.1, 0.2, 0.3, 0.15, 0.25]
+    fired = [a.check({"comm_share": c, "comm_share_dp": c, "comm_share_max": c + 0.01, "mem_fraction": 0.5})[0]
+             for c in shares]
+    # the first record (warm-up) is not judged; once per episode, re-armed at <= 15 %
+    assert [bool(w) for w in fired] == [False, False, True, False, False, True]
+    assert "communication is 20.0% of step time" in fired[2][0] and "dp 20.0%" in fired[2][0]
+    assert "worst rank 21.0%" in fired[2][0]
     w, stop = a.check({"mfu": None, "mem_fraction": 0.95})
     assert w == [] and "stopping" in stop
-    assert Alerts(0.0, 0.0).check({"mfu": 0.01, "mem_fraction": 0.99}) == ([], None)
+    assert Alerts(0.0, 0.0, comm_share_warn_above=0.0).check(
+        {"mfu": 0.01, "comm_share": 0.9, "mem_fraction": 0.99}) == ([], None)
+    with pytest.raises(ConfigError, match="key 'alerts.mfu_window'"):
+        cfg(alerts={"mfu_window": 0})
+    with pytest.raises(ConfigError, match="key 'alerts.comm_share_warn_above'"):
+        cfg(alerts={"comm_share_warn_above": 1.5})
+
+
+def test_fp8_refused_with_reason_before_any_process(tmp_path, monkeypatch):
+    import importlib.util
+    import types
+
+    import torch
+    from click.testing import CliRunner
+
+    from train import config as tc
+    from train.cli import main
+
+    c = cfg(precision="fp8")  # loads: `train estimate` of an fp8 run works anywhere
+    assert c.bf16_weights() and cfg(precision="bf16").bf16_weights() and not cfg().bf16_weights()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformer_engine" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match="key 'precision'.*no CUDA GPU.*Transformer Engine is not installed"):
+        c.check_world(1)
+    cfg().check_world(1)  # fp32 and bf16 need nothing
+    conf = tmp_path / "c.yaml"
+    conf.write_text(f"run_dir: {tmp_path / 'run'}\nprecision: fp8\ndebug: {{synthetic_data: true}}\n")
+    r = CliRunner().invoke(main, ["launch", str(conf), "--nproc", "1"])  # no --dry-run: nothing may start
+    assert r.exit_code == 2 and "key 'precision'" in r.output and "no CUDA GPU" in r.output
+    assert "torch.distributed.run" not in r.output
+
+    # a GPU too old (A100, 8.0), TE present
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch.fp8 = types.ModuleType("transformer_engine.pytorch.fp8")
+    te.pytorch.fp8.check_fp8_support = lambda: (True, "")
+    for m in (te, te.pytorch, te.pytorch.fp8):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "transformer_engine"
+                        else real_find_spec(name, *a))
+    assert tc.fp8_unsupported_reasons() == ["GPU 0 (NVIDIA A100-SXM4-80GB) has compute capability 8.0, "
+                                            "FP8 needs >= 8.9"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))  # H100/H200
+    assert tc.fp8_unsupported_reasons() == []
+    c.check_world(1)
+    te.pytorch.fp8.check_fp8_support = lambda: (False, "CUDA 12.1+ required")
+    assert tc.fp8_unsupported_reasons() == ["Transformer Engine reports no FP8 support: CUDA 12.1+ required"]
+
+
+def test_fp8_transformer_config_kwargs():
+    import dataclasses
+
+    from train.config import fp8_transformer_kwargs
+    from train.models import transformer_config
+
+    assert fp8_transformer_kwargs("bf16") == {} and fp8_transformer_kwargs("fp32") == {}
+    tcfg = transformer_config(ModelConfig(preset="tiny"), bf16=True)
+    fp8 = dataclasses.replace(tcfg, **fp8_transformer_kwargs("fp8"))  # megatron-core accepts and validates them
+    assert fp8.fp8 == "hybrid" and fp8.fp8_recipe == "delayed" and fp8.fp8_amax_history_len == 1024
+    assert fp8.bf16 and tcfg.fp8 is None
 
 
 def test_estimate_1_7b_bf16():

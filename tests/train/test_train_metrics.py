@@ -33,8 +33,10 @@ def test_memory_stats_cpu():
     assert m["rss_gib"] > 0 and 0 < m["fraction"] < 1
 
 
-def test_format_record_shows_skips():
+def test_format_record_shows_skips_and_comm_share():
     assert "skipped 2" in format_record(_rec(5, skipped_steps=2))
+    assert "comm" not in format_record(_rec(5))
+    assert "| comm 12.5% |" in format_record(_rec(5, comm_share=0.125))
 
 
 def test_plot_writes_png(tmp_path):

@@ -66,7 +66,9 @@ def baseline(tmp_path_factory):
 @pytest.mark.parametrize("name,nproc,sets", [
     ("tp2", 2, ["parallel.tp=2"]),
     ("pp2", 2, ["parallel.pp=2"]),
-    ("dp2_distopt", 2, ["parallel.distributed_optimizer=true"]),
+    # an artificial delay inside every timed collective from step 4 on (train.comm); numerics unchanged
+    ("dp2_distopt", 2, ["parallel.distributed_optimizer=true", "debug.comm_delay_s=0.1",
+                        "debug.comm_delay_from_step=4"]),
 ])
 def test_parallel_layout_matches_single_process(tmp_path, baseline, name, nproc, sets):
     rc, out, run = launch(tmp_path, name, nproc, sets)
@@ -75,6 +77,18 @@ def test_parallel_layout_matches_single_process(tmp_path, baseline, name, nproc,
     assert got.shape == baseline.shape == (6, 2)
     np.testing.assert_allclose(got, baseline, rtol=2e-5)
     assert got[-1, 0] != got[0, 0]  # the optimizer did update the weights
+    # communication share of step time: logged per window, in [0, 1], attributed to the layout's kind
+    recs, events = records(run)
+    share = np.array([r["comm_share"] for r in recs])
+    assert ((share >= 0) & (share <= 1)).all()
+    assert (share <= np.array([r["comm_share_max"] for r in recs]) + 1e-12).all()
+    kind = {"tp2": "tp", "pp2": "pp", "dp2_distopt": "dp"}[name]
+    assert all(r[f"comm_share_{kind}"] > 0 for r in recs), [r[f"comm_share_{kind}"] for r in recs]
+    assert " | comm " in out
+    if name == "dp2_distopt":  # the delay (≥ 2 timed calls a step: grad reduce-scatter, param all-gather) shows
+        comm_s = share * np.array([r["step_time_s"] for r in recs])
+        assert share[3:].min() > share[1:3].max() and comm_s[3:].min() > comm_s[1:3].max() + 0.1, (share, comm_s)
+        assert any(e["event"] == "warning" and "communication is" in e["message"] for e in events)
 
 
 def test_tp2_pp2_four_processes_match(tmp_path, baseline):

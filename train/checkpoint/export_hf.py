@@ -1,4 +1,5 @@
-"""Export a checkpoint (full or incremental, any TP/PP layout) to a Hugging Face Llama folder:
+"""Export a checkpoint (full or incremental, any TP/PP layout) to a Hugging Face Llama folder (a SmolLM3 one
+when the model has NoPE layers, `model.no_rope_every`):
 model.safetensors, config.json, generation_config.json, tokenizer.json, and (when the EOS token is known:
 see train.checkpoint.hf_tokenizer) tokenizer_config.json and special_tokens_map.json, loadable by
 `transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained` and lm-eval's HF backend.
@@ -9,6 +10,8 @@ renamed/split into Llama's layout:
   linear_qkv  [groups × (q_per_group + 2) × head_dim, h]  →  q_proj, k_proj, v_proj
   linear_fc1  [gate; up]                                   →  gate_proj, up_proj
 The padded vocabulary is kept (vocab_size in config.json is the padded size), so logits line up with ours.
+SmolLM3 has Llama's tensor names; its config.json adds `no_rope_layers` (1 = RoPE, 0 = NoPE layer: every
+`no_rope_layer_interval`-th) and `model_type: smollm3` (transformers' SmolLM3ForCausalLM).
 A checkpoint made by `train ckpt import` gets its carried tokenizer files back (import → export gives the
 original tensors, names and dtypes).
 """
@@ -118,9 +121,10 @@ def model_shape(manifest: dict, overrides: dict | None = None) -> dict:
 
 
 def hf_config(hf: dict[str, torch.Tensor], s: dict, m: dict) -> dict:
-    """config.json of the Llama folder for Llama-named tensors `hf`, model shape `s`, manifest `m`."""
+    """config.json of the Llama folder for Llama-named tensors `hf`, model shape `s`, manifest `m`; a SmolLM3
+    config when `s` has NoPE layers (no_rope_every)."""
     emb = hf["model.embed_tokens.weight"]
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": emb.shape[1], "intermediate_size": hf["model.layers.0.mlp.gate_proj.weight"].shape[0],
         "num_hidden_layers": sum(1 for k in hf if k.endswith("q_proj.weight")),
@@ -132,11 +136,23 @@ def hf_config(hf: dict[str, torch.Tensor], s: dict, m: dict) -> dict:
         "torch_dtype": str(emb.dtype).removeprefix("torch."),
         "smoltrain_checkpoint": {"name": m["name"], "step": m["step"], "kind": m["kind"]},
     }
+    every = int(s.get("no_rope_every") or 0)
+    if every:
+        layers = config["num_hidden_layers"]
+        config.update({
+            "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3",
+            "no_rope_layer_interval": every, "no_rope_layers": [int((i + 1) % every != 0) for i in range(layers)],
+            "use_sliding_window": False, "sliding_window": None, "layer_types": ["full_attention"] * layers,
+            # SmolLM3Config's defaults are SmolLM3's token ids (pad 128004): unset unless a tokenizer gives them
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        })
+    return config
 
 
 def llama_weights(ckpt_dir: str, overrides: dict | None = None) -> tuple[dict, dict, dict]:
     """(Llama-named tensors, config.json dict, manifest) of a checkpoint: what `export` writes, in memory
-    (`train generate` builds a transformers model from it)."""
+    (`train generate` builds a transformers model from it). The config's model_type is `llama`, or
+    `smollm3` for a model with NoPE layers (same tensor names)."""
     tensors, m = load_model_tensors(ckpt_dir)
     s = model_shape(m, overrides)
     hf = to_llama(tensors, s["num_heads"], s["num_kv_heads"])

@@ -1,8 +1,12 @@
-"""Import a Hugging Face Llama folder as a smoltrain checkpoint (`train ckpt import HF_FOLDER OUT`).
+"""Import a Hugging Face Llama or SmolLM3 folder as a smoltrain checkpoint (`train ckpt import HF_FOLDER OUT`).
 
-The folder needs config.json (model_type llama) and model.safetensors, or sharded safetensors with
-model.safetensors.index.json. Configurations this trainer's model cannot express are refused, naming the
-field (rope scaling, biases, a head_dim other than hidden / heads, another activation or model type).
+The folder needs config.json (model_type llama or smollm3) and model.safetensors, or sharded safetensors
+with model.safetensors.index.json. Configurations this trainer's model cannot express are refused, naming
+the field (rope scaling, biases, a head_dim other than hidden / heads, another activation or model type;
+for SmolLM3 also sliding-window attention and a `no_rope_layers` pattern that is not every N-th layer).
+SmolLM3's NoPE layers become `model.no_rope_every: N` (its `no_rope_layers`: 1 = RoPE, 0 at layers N, 2N,
+...; without the list, `no_rope_layer_interval`, as transformers builds it); SmolLM3 ignores
+`pretraining_tp`, so it is not checked there.
 
 The checkpoint is written by the trainer's own save path (`train.checkpoint.import_worker`, in a
 subprocess: megatron and the CPU layer stay out of the caller's process) at TP1 PP1, step 0, no
@@ -34,7 +38,8 @@ class ImportError_(CheckpointError):  # noqa: N801 - not the builtin ImportError
 
 
 def read_config(folder: str) -> dict:
-    """Model shape (train.models.ModelConfig keys) of a HF Llama folder; refuses what we cannot express."""
+    """Model shape (train.models.ModelConfig keys) of a HF Llama / SmolLM3 folder; refuses what we cannot
+    express."""
     path = os.path.join(folder, "config.json")
     try:
         with open(path) as f:
@@ -45,8 +50,9 @@ def read_config(folder: str) -> dict:
     def refuse(field: str, why: str):
         raise ImportError_(f"{path}: unsupported {field!r}: {why}")
 
-    if c.get("model_type") != "llama":
-        refuse("model_type", f"{c.get('model_type')!r} (only 'llama' is supported)")
+    kind = c.get("model_type")
+    if kind not in ("llama", "smollm3"):
+        refuse("model_type", f"{kind!r} (only 'llama' and 'smollm3' are supported)")
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if not isinstance(c.get(field), int):
             refuse(field, f"missing or not an integer ({c.get(field)!r})")
@@ -60,21 +66,52 @@ def read_config(folder: str) -> dict:
             refuse(field, "true (the model has no biases)")
     if c.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", f"{c['hidden_act']!r} (only silu / SwiGLU)")
-    if (c.get("pretraining_tp") or 1) != 1:
+    if kind == "llama" and (c.get("pretraining_tp") or 1) != 1:
         refuse("pretraining_tp", f"{c['pretraining_tp']}")
+    no_rope_every = _no_rope_every(c, refuse) if kind == "smollm3" else 0
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
     if hidden % heads or (c.get("head_dim") not in (None, hidden // heads)):
         refuse("head_dim", f"{c.get('head_dim')} != hidden_size / num_attention_heads = {hidden}/{heads}")
     if heads % kv:
         refuse("num_key_value_heads", f"{kv} does not divide num_attention_heads {heads}")
-    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+    # transformers' default θ when the config names none: LlamaConfig 10 000, SmolLM3Config 2 000 000
+    theta = rope.get("rope_theta", c.get("rope_theta", 2_000_000.0 if kind == "smollm3" else 10000.0))
     return {"preset": "tiny", "hidden_size": hidden, "num_layers": c["num_hidden_layers"], "num_heads": heads,
             "num_kv_heads": kv, "ffn_hidden_size": c["intermediate_size"], "vocab_size": c["vocab_size"],
             "max_position_embeddings": int(c.get("max_position_embeddings") or 2048),
             "rope_theta": float(theta), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+            "no_rope_every": no_rope_every,
             "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
             "init_std": float(c.get("initializer_range", 0.02)), "make_vocab_size_divisible_by": 1}
+
+
+def _no_rope_every(c: dict, refuse) -> int:
+    """model.no_rope_every of a SmolLM3 config: N when its NoPE layers are exactly layers N, 2N, ... (1-based),
+    0 when every layer uses RoPE; anything else is refused naming `no_rope_layers`."""
+    layers = c["num_hidden_layers"]
+    if c.get("use_sliding_window") and c.get("sliding_window"):
+        refuse("use_sliding_window", "true (sliding-window attention is not supported)")
+    types = c.get("layer_types")
+    if types and any(t != "full_attention" for t in types[:layers]):
+        refuse("layer_types", f"{sorted(set(types))} (only full_attention is supported)")
+    pattern = c.get("no_rope_layers")
+    if pattern is None:  # transformers builds it from the interval
+        interval = c.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or interval < 1:
+            refuse("no_rope_layer_interval", f"{interval!r} (a positive integer expected)")
+        return interval if interval <= layers else 0
+    if not isinstance(pattern, list) or len(pattern) < layers or any(p not in (0, 1) for p in pattern):
+        refuse("no_rope_layers", f"{pattern!r} (one 0 or 1 per layer, {layers} layers)")
+    pattern = pattern[:layers]  # transformers reads the first num_hidden_layers entries
+    nope = [i for i, r in enumerate(pattern) if not r]
+    if not nope:
+        return 0
+    every = nope[0] + 1
+    if pattern != [int((i + 1) % every != 0) for i in range(layers)]:
+        refuse("no_rope_layers", f"NoPE at layers {[i + 1 for i in nope]} (1-based) is not every N-th layer, "
+                                 "which is all model.no_rope_every can express")
+    return every
 
 
 def weight_files(folder: str) -> list[str]:

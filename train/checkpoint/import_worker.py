@@ -1,7 +1,7 @@
 """The process `train ckpt import` and `train ckpt merge` start: writes Hugging Face-named tensors and a
 model config as a smoltrain checkpoint.
 
-- `python -m train.checkpoint.import_worker HF_FOLDER OUT_ROOT`: import a HF Llama folder;
+- `python -m train.checkpoint.import_worker HF_FOLDER OUT_ROOT`: import a HF Llama or SmolLM3 folder;
 - `python -m train.checkpoint.import_worker --merge OUT_ROOT` (plan as JSON on stdin, from
   train.checkpoint.merge): the weighted average of checkpoints.
 

@@ -10,7 +10,7 @@ directory or checkpoints folder means its newest checkpoint that verifies); `ini
 folder's absolute path, and the model shape comes from the checkpoint's recorded model config:
 
 - a shape key left null in the config (hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size,
-  vocab_size, max_position_embeddings, rope_theta, norm_eps) takes the checkpoint's value (the preset
+  vocab_size, max_position_embeddings, rope_theta, norm_eps, no_rope_every) takes the checkpoint's value (the preset
   does not apply to it); a key set in the config must equal the checkpoint's;
 - tie_embeddings and make_vocab_size_divisible_by take the checkpoint's value when the config leaves
   their defaults (true, 128), and must equal it otherwise;
@@ -29,7 +29,7 @@ from storage.config import ConfigError
 from train.checkpoint import layout
 
 NULLABLE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-            "max_position_embeddings", "rope_theta", "norm_eps")
+            "max_position_embeddings", "rope_theta", "norm_eps", "no_rope_every")
 DEFAULTED = {"tie_embeddings": True, "make_vocab_size_divisible_by": 128}
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 

@@ -42,7 +42,7 @@ from train.checkpoint import layout
 from train.checkpoint.layout import CheckpointError
 
 SHAPE_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
-              "tie_embeddings", "rope_theta", "norm_eps", "max_position_embeddings")
+              "tie_embeddings", "rope_theta", "norm_eps", "max_position_embeddings", "no_rope_every")
 TOLERANCE = 1e-6
 
 

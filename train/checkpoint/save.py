@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory,
+                                                      apply_factories)
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -61,6 +62,32 @@ def all_reduce_int(value: int, op) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=dev)
     dist.all_reduce(t, op=op)
     return int(t.item())
+
+
+_RENDEZVOUS = "_smoltrain_after_empty_check"
+
+
+def _after_empty_check() -> ShardedTensorFactory:
+    """A barrier that megatron's `dist_checkpointing.save` runs right after its emptiness check.
+
+    Why megatron said "Overwriting old incomplete / corrupted checkpoint..." on healthy async saves: its
+    `save()` starts with rank 0 alone checking that the checkpoint folder is empty (`iterdir`), with no
+    synchronisation against the other ranks. Rank 0 creates `.tmp-step_N` empty and all ranks meet at a
+    barrier, but then each rank calls `save()` on its own. On every save after a Saver's first one
+    (`validate_access_integrity=False`: no all-gather inside `save()`) a faster rank returns from `save()`
+    at once (async) and starts writing into the folder (its `rng/` directory, its tensor file; under PP>1
+    also megatron's `_extra_state` objects of its stage) before rank 0 has looked. Rank 0 then sees a
+    folder that is not empty and warns, although nothing old is overwritten (a race: it showed about once
+    per TP=2 `train launch` of `make demo`). The first save was immune: its validation all-gather comes after
+    the check. The fix puts a barrier at the same place: `save()` builds factories (`apply_factories`,
+    the first step of its preprocessing) after the check and before any write, so every rank waits there
+    until rank 0 has checked. The factory builds a `LocalNonpersistentObject`, which megatron drops from
+    the checkpoint: nothing is written for it and loading never sees it."""
+    def build(key, data, replica_id, flattened_range):
+        barrier()
+        return LocalNonpersistentObject(None)
+
+    return ShardedTensorFactory(_RENDEZVOUS, torch.empty(0), build, lambda sub: sub, replica_id=0)
 
 
 @dataclass
@@ -162,11 +189,14 @@ class Saver:
         elif self.cfg.async_save or torch_dist or not host:  # our writers read host memory
             staged = stage(sd)
         # the sharding layout is validated (an all-gather of every tensor's metadata) on a Saver's first save
+        if self.world > 1:
+            sd[_RENDEZVOUS] = _after_empty_check()
         req = dist_checkpointing.save(sd, tmp, sharded_strategy=strategy, async_sharded_save=True,
                                       validate_access_integrity=not self._validated)
         self._validated = True
-        # the small per-rank files go in after megatron has checked that the folder is empty; their content
-        # is copied now (the training loop changes it next step) and serialized by the writer thread
+        # the small per-rank files go in after megatron has checked that the folder is empty (the rendezvous
+        # above); their content is copied now (the training loop changes it next step) and serialized by
+        # the writer thread
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         small = {os.path.join(tmp, "rng", f"rank{self.rank:05d}.pt"): copy.deepcopy(state_io.rng_state())}
         if self.rank == 0:

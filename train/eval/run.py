@@ -8,13 +8,10 @@ any run, is loaded into it (megatron dist_checkpointing reshards any saved layou
 Rank 0 writes the results (with "evaluated_at", and "label" for a labeled checkpoint) and prints one
 line per checkpoint.
 """
-import warnings
+from train import console, cpu_compat
 
-from train import cpu_compat
-
+console.quiet(prefix="eval-")  # library warnings → RUN_DIR/logs/eval-rank<RANK>.log (train.console)
 cpu_compat.install()
-warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")
-warnings.filterwarnings("ignore", message=r".*cuda_graph_scope")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from train.checkpoint.resume import load_into
     from train.config import TrainConfig
     from train.eval.evaluator import build_evaluator
-    from train.eval.results import checkpoint_tokenizer, write_result
+    from train.eval.results import checkpoint_tokenizer, run_dir_of, write_result
     from train.metrics import format_eval
     from train.models import build_model
     from train.state import TrainState
@@ -39,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         spec = json.load(f)
+    # beside the training logs of the first checkpoint's run (the results folder holds only result JSONs)
+    run_dir = run_dir_of(spec["checkpoints"][0])
+    console.to_file(console.log_path(os.path.join(run_dir or spec["out_dir"], "logs"), prefix="eval-"))
     cfg = cfgmod.load(TrainConfig, spec["config"], [])
     par = parallel.init(cfg)
     try:

@@ -1,0 +1,115 @@
+"""train.comm's timing shim in one gloo process: what it counts (by kind, once when nested, async waits),
+what it leaves out (paused monitoring reductions, calls outside a step), that an artificial delay on the
+collective path raises the communication share, and that uninstall restores every patched function."""
+import threading
+import time
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    yield {"tp": ps.get_tensor_model_parallel_group(), "dp": ps.get_data_parallel_group(),
+           "pp": ps.get_pipeline_model_parallel_group()}
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def timer(groups):
+    from train.comm import CommTimer
+
+    t = CommTimer(cuda=False, include_one_rank_groups=True)  # one process: every group has one rank
+    t.install()
+    yield t
+    t.uninstall()
+
+
+def _step(timer, delay_s: float, compute_s: float = 0.03) -> tuple[float, float]:
+    """A fake training step: compute, three all-reduces, one paused metrics reduction → (comm s, step s)."""
+    import torch.distributed as dist
+
+    x = torch.ones(1024)
+    t0 = time.perf_counter()
+    with timer.measuring(delay_s):
+        time.sleep(compute_s)
+        for _ in range(3):
+            dist.all_reduce(x)
+        with timer.paused():
+            dist.all_reduce(torch.zeros(4))
+    return sum(timer.collect().values()), time.perf_counter() - t0
+
+
+def test_share_rises_with_delay_on_the_collective_path(timer):
+    base_comm, base_step = _step(timer, 0.0)
+    comm, step = _step(timer, 0.02)
+    base, delayed = base_comm / base_step, comm / step
+    assert 0.0 <= base < 0.2 and 0.5 < delayed <= 1.0, (base, delayed)
+    assert 0.06 <= comm < 0.06 + 0.03  # three timed calls; the paused one is not counted
+
+
+def test_kinds_nesting_async_and_outside_a_step(timer, groups):
+    import torch.distributed as dist
+
+    d = 0.02
+    x = torch.ones(8)
+    with timer.measuring(d):
+        dist.all_reduce(x, group=groups["tp"])
+        dist.all_reduce(x, group=groups["dp"])
+        dist.broadcast(x, 0, group=groups["pp"])
+        dist.barrier()                                   # world group: other
+        with timer.region("dp"):                         # counted once, as the region's kind
+            dist.all_reduce(x, group=groups["tp"])
+            dist.all_reduce(x, group=groups["tp"])
+        work = dist.all_reduce(x, group=groups["tp"], async_op=True)
+        work.wait()                                      # issue and wait: tp twice more
+        assert work.is_completed()                       # the handle's own methods stay usable
+        # another thread (on GPU the backward's TP all-reduces run in autograd's device thread)
+        th = threading.Thread(target=dist.all_reduce, args=(x,), kwargs={"group": groups["pp"]})
+        th.start()
+        th.join()
+    s = timer.collect()
+    assert d * 2 <= s["dp"] < d * 3 and d * 3 <= s["tp"] < d * 4
+    assert d * 2 <= s["pp"] < 3 * d and d <= s["other"] < 2 * d
+    assert torch.equal(x, torch.ones(8))
+    dist.all_reduce(x)                                   # outside measuring(): not counted
+    assert sum(timer.collect().values()) == 0.0
+    timer.include_one_rank_groups = False                # the default: groups of one rank move nothing
+    with timer.measuring(d):
+        dist.all_reduce(x, group=groups["tp"])
+        dist.all_reduce(x)
+    assert sum(timer.collect().values()) == 0.0
+
+
+def test_window_metrics_and_install_restores(groups):
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.tensor_parallel import mappings
+
+    from train.comm import CommTimer, window_metrics
+
+    originals = (dist.all_reduce, mappings.dist_all_gather_func, pgb._ParamAndGradBucketGroup.finish_grad_sync,
+                 P2PCommunicator._communicate)
+    t = CommTimer(cuda=False)
+    t.install()
+    try:
+        assert dist.all_reduce is not originals[0] and dist.all_reduce.__comm_original__ is originals[0]
+        assert mappings.dist_all_gather_func.__comm_original__ is originals[1]
+        assert pgb._ParamAndGradBucketGroup.finish_grad_sync.__comm_original__ is originals[2]
+        assert P2PCommunicator._communicate.__comm_original__ is originals[3]
+        dist.P2POp(dist.isend, torch.zeros(1), 0)  # P2POp accepts only the original isend/irecv: left alone
+        m = window_metrics({"dp": 0.1, "tp": 0.2, "pp": 0.0, "other": 0.1}, 2.0, torch.device("cpu"))
+        assert m["comm_share"] == pytest.approx(0.2) and m["comm_share_max"] == pytest.approx(0.2)
+        assert m["comm_share_tp"] == pytest.approx(0.1) and m["comm_share_pp"] == 0.0
+    finally:
+        t.uninstall()
+    assert (dist.all_reduce, mappings.dist_all_gather_func, pgb._ParamAndGradBucketGroup.finish_grad_sync,
+            P2PCommunicator._communicate) == originals
