@@ -2,6 +2,7 @@
 killable subprocess runs."""
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib
 import json
@@ -179,3 +180,25 @@ def metric_records(run_dir) -> list[dict]:
         if "loss" in r:
             out.append(r)
     return out
+
+
+@contextlib.contextmanager
+def megatron_one_rank(store_dir):
+    """One gloo process with megatron's parallel state (TP = PP = 1, model-parallel seed 1) and the CPU
+    compatibility layer, torn down afterwards; `store_dir` holds the process group's file store."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from train import cpu_compat
+
+    cpu_compat.install()
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(1)
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        cpu_compat.uninstall()

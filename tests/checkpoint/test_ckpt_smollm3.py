@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from testutil import require
+from testutil import megatron_one_rank, require
 
 require("transformers")
 
@@ -26,20 +26,8 @@ TOKENS = (torch.arange(40).reshape(2, 20) * 37 % 384).long()
 
 @pytest.fixture
 def one_rank(tmp_path):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from train import cpu_compat
-
-    cpu_compat.install()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1)
-    yield
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
-    cpu_compat.uninstall()
+    with megatron_one_rank(tmp_path):
+        yield
 
 
 def _ours(cfg):

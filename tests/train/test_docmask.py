@@ -2,6 +2,7 @@
 give every document the per-token losses it gets alone; boundaries from EOS; thd cu_seqlens."""
 import pytest
 import torch
+from testutil import megatron_one_rank
 
 from train.docmask import (block_causal_mask, micro_batch, packed_seq_params, positions_of, rope_positions,
                            segments_from_eos)
@@ -10,23 +11,10 @@ from train.models import ModelConfig
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from train import cpu_compat
     from train.models import build_model
 
-    cpu_compat.install()
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1)
-    chunks = build_model(ModelConfig(preset="tiny"), seed=11)
-    yield chunks
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
-    cpu_compat.uninstall()
+    with megatron_one_rank(tmp_path_factory.mktemp("pg")):
+        yield build_model(ModelConfig(preset="tiny"), seed=11)
 
 
 def _alone(model, doc: list[int]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 mask) give each candidate the log-likelihood of its own causal row; scores do not depend on the batch."""
 import pytest
 import torch
+from testutil import megatron_one_rank
 
 from storage.config import ConfigError
 from train.models import ModelConfig
@@ -9,23 +10,10 @@ from train.models import ModelConfig
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from train import cpu_compat
     from train.models import build_model
 
-    cpu_compat.install()
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1)
-    chunks = build_model(ModelConfig(preset="tiny"), seed=5)
-    yield chunks
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
-    cpu_compat.uninstall()
+    with megatron_one_rank(tmp_path_factory.mktemp("pg")):
+        yield build_model(ModelConfig(preset="tiny"), seed=5)
 
 
 class _Par:

@@ -54,21 +54,10 @@ def test_bad_model_config_names_key(data, key):
 
 @pytest.fixture
 def one_rank(tmp_path):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from testutil import megatron_one_rank  # not at the top: this file is also a torchrun worker script
 
-    from train import cpu_compat
-
-    cpu_compat.install()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    model_parallel_cuda_manual_seed(1)
-    yield
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
-    cpu_compat.uninstall()
+    with megatron_one_rank(tmp_path):
+        yield
 
 
 def test_build_tiny_matches_param_count_and_is_deterministic(one_rank):
