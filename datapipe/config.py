@@ -112,7 +112,12 @@ class MinhashSettings:
 @dataclass
 class DedupConfig:
     exact: bool = True
+    exact_parts: int = 8  # exact dedup runs as this many tasks, one hash range each (memory 1/parts)
     minhash: MinhashSettings = field(default_factory=MinhashSettings)
+
+    def validate(self) -> None:
+        if self.exact_parts < 1:
+            raise ConfigError(f"key 'dedup.exact_parts': must be >= 1, got {self.exact_parts}")
 
 
 @dataclass
@@ -247,6 +252,9 @@ class BuildConfig:
     output: str = "data/demo"
     sources: list[SourceConfig] = field(default_factory=list)  # empty: the embedded stdlib demo corpus
     work_dir: str | None = None  # default: OUTPUT/_work
+    # larger uncompressed JSONL files are split into byte ranges, Parquet files into row-group ranges,
+    # one task each (null: one task per file)
+    max_task_bytes: int | None = 268_435_456
     word_tokenizer: Literal["fast", "spacy"] = "fast"
     default_filters: list[FilterSpec] = field(default_factory=fineweb_filters)
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
@@ -260,6 +268,8 @@ class BuildConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        if self.max_task_bytes is not None and self.max_task_bytes < 1024:
+            raise ConfigError(f"key 'max_task_bytes': must be >= 1024 (or null), got {self.max_task_bytes}")
         names = [s.name for s in self.sources]
         dup = {n for n in names if names.count(n) > 1}
         if dup:

@@ -1,6 +1,7 @@
 """Unicode normalisation of document text (NFC, control characters, whitespace) as a datatrove step."""
 from __future__ import annotations
 
+import contextlib
 import re
 import unicodedata
 
@@ -43,7 +44,7 @@ class Normalize(PipelineStep):
         self.exclusion_writer = exclusion_writer
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        with self.exclusion_writer as rej:
+        with self.exclusion_writer or contextlib.nullcontext() as rej:
             for doc in data:
                 self.stat_update("total")
                 if "loss_spans" in doc.metadata:  # a rendered conversation: its contents were normalised
@@ -53,8 +54,9 @@ class Normalize(PipelineStep):
                 doc.text = normalize_text(doc.text, self.cfg)
                 if not doc.text:
                     self.stat_update("dropped", "dropped_empty_after_normalize")
-                    doc.metadata.update(filter="normalize", filter_reason="empty after normalisation")
-                    rej.write(doc, rank)
+                    if rej is not None:
+                        doc.metadata.update(filter="normalize", filter_reason="empty after normalisation")
+                        rej.write(doc, rank)
                     continue
                 self.stat_update("forwarded")
                 yield doc

@@ -1,14 +1,22 @@
 """Assemble `datapipe build`: datatrove stages in order, the chosen executor, and the final manifest.
 
-Stages (tasks): filter (one per input file) → exact (1) → signatures (one per file) → buckets (bands)
-→ clusters (1) → tokenizer (1) → tokenize (one per file: near-dup filter, decontamination, encoding) →
-shards (one per source, which also splits off the held-out validation documents) → manifest.
+Stages (tasks):
+- scan (one per input piece: a file, or a byte / row-group range of a large one): read, normalise,
+  filter; record the kept positions, exact hashes (by hash partition) and MinHash signatures;
+- exact (one per hash partition), buckets (one per band), clusters (1: datatrove's union-find over the
+  candidate pairs, then our priority keep);
+- tokenizer (1: copy one, or train on a bounded prefix of the kept documents);
+- tokenize (one per piece): re-read the input, apply the scan and dedup decisions
+  (`datapipe.decisions`), decontaminate, encode, and write the piece's own shards (`datapipe.shardout`);
+- validation (one per source: the held-out split from the candidates the tokenize tasks set aside);
+- manifest (1).
+No stage writes a copy of the text: the work dir holds positions, hashes, signatures and ids.
 Chat sources are rendered by their template when read (see `datapipe.sources`), so every stage after
 that sees plain text; the tokenize stage adds their loss masks, and the manifest records the template.
 A preference pair is one document (both sides' text) until the tokenize stage splits it into its two
 sides, so dedup, decontamination and the validation split act on whole pairs (`datapipe.preference`).
-Task ranks are file positions in the global, priority-ordered file list, so outputs are identical for
-any worker count. Each stage logs completions under `WORK/logs/<stage>`; a rerun skips finished tasks
+Task ranks are positions in the global, priority-ordered list of input pieces, so outputs are identical
+for any worker count. Each stage logs completions under `WORK/logs/<stage>`; a rerun skips finished tasks
 (datatrove's `skip_completed`) and redoes the rest, giving the same bytes as an uninterrupted build.
 """
 from __future__ import annotations
@@ -23,28 +31,21 @@ from pathlib import Path
 from typing import Any
 
 from datatrove.pipeline.base import PipelineStep
-from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter
+from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupCluster
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from datapipe import executors
 from datapipe.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
+from datapipe.decisions import FilterAndRecord, Select, near_removals
 from datapipe.decontaminate import Decontaminate, load_index
-from datapipe.dedup.exact import ExactHasher, IndexRemover
+from datapipe.dedup.exact import ExactHasher, ExactResolve, exact_removals, write_report
 from datapipe.dedup.minhash import FastMinhashSignature, MinhashDedupSignature, minhash_config
 from datapipe.filters import check_specs
 from datapipe.normalize import Normalize
+from datapipe.shardout import ShardOut, WriteValidation, source_infos, task_info_path
 from datapipe.sources import SourceReader, check_fields, expand_sources
-from datapipe.steps import (
-    ClusterResolve,
-    CountsDump,
-    ExactResolve,
-    PerSourceFilters,
-    PrepareTokenizer,
-    WorkReader,
-    WriteShards,
-    load_remove_count,
-)
+from datapipe.steps import ClusterResolve, CountsDump, PerSourceFilters, PrepareTokenizer
 from datapipe.tokenize import TokenizeStep, check_special_tokens, load_tokenizer, tokenizer_info
 from datapipe.workfiles import read_json
 from storage import config as cfgmod
@@ -77,7 +78,7 @@ class Build:
         self.out = cfg.output.rstrip("/")
         self.work = (cfg.work_dir or os.path.join(self.out, "_work")).rstrip("/")
         self.rejects = os.path.join(self.out, "rejects")
-        self.files = expand_sources(cfg.sources)
+        self.files = expand_sources(cfg.sources, cfg.max_task_bytes)
         self.srcmap = {s.name: s for s in cfg.sources}
         for i, s in enumerate(cfg.sources):
             check_specs(cfg.filters_for(s), f"sources.{i}.filters" if s.filters is not None else "default_filters")
@@ -108,7 +109,7 @@ class Build:
 
     def stages(self) -> list[Stage]:
         cfg, F = self.cfg, len(self.files)
-        mh = cfg.dedup.minhash
+        mh, parts = cfg.dedup.minhash, cfg.dedup.exact_parts
 
         def rej(name: str) -> JsonlWriter:
             return JsonlWriter(os.path.join(self.rejects, name), output_filename="${rank}.jsonl.gz")
@@ -116,55 +117,62 @@ class Build:
         reader = SourceReader(self.files, self.srcmap, self.rejects, cfg.normalize.max_chars, cfg.normalize,
                               self.chat_template)
         norm = Normalize(cfg.normalize, rej("normalize"))
-        stages = [Stage("filter", [
-            reader, norm,
-            PerSourceFilters(cfg, self.files, self.rejects, self.w("counts", "filters")),
-            CountsDump({"read": reader, "normalize": norm}, self.w("counts", "read")),
-            ExactHasher(self.w("hashes")),
-            JsonlWriter(self.w("filtered"), output_filename="${rank}.jsonl", compression=None),
-        ], F), Stage("exact", [ExactResolve(cfg.dedup.exact, self.w("hashes"), self.w("exact_remove"), F,
-                                            os.path.join(self.out, "dedup", "exact_clusters.jsonl"))], 1)]
-        sig_steps = [WorkReader(self.w("filtered")),
-                     IndexRemover(self.w("exact_remove"), "exact_dup", "exact duplicate", rej("exact_dup")),
-                     ExactHasher(self.w("deduped_ids")),
-                     JsonlWriter(self.w("deduped"), output_filename="${rank}.jsonl", compression=None)]
-        remove_dir = None
+        scan = [reader, norm,
+                FilterAndRecord(PerSourceFilters(cfg, self.files, self.rejects, self.w("counts", "filters")),
+                                self.work),
+                CountsDump({"read": reader, "normalize": norm}, self.w("counts", "read")),
+                ExactHasher(self.work, parts)]
         if mh.enabled:
             mcfg = minhash_config(mh)
             sig_cls = FastMinhashSignature if mh.fast_signatures else MinhashDedupSignature
-            sig_steps.append(sig_cls(self.w("minhash", "sigs"), config=mcfg))
-            remove_dir = self.w("minhash", "remove")
-        stages.append(Stage("signatures", sig_steps, F))
+            scan.append(sig_cls(self.w("minhash", "sigs"), config=mcfg))
+        stages = [Stage("scan", scan, F)]
+        if cfg.dedup.exact:
+            stages.append(Stage("exact", [ExactResolve(self.work, F)], parts))
+        near_dir = None
         if mh.enabled:
+            near_dir = self.w("minhash", "remove")
             stages += [
                 Stage("buckets", [MinhashDedupBuckets(self.w("minhash", "sigs"), self.w("minhash", "buckets"),
                                                       config=mcfg)], mh.bands),
                 Stage("clusters", [
                     MinhashDedupCluster(self.w("minhash", "buckets"), self.w("minhash", "clusters"), config=mcfg,
                                         save_cluster_id=True),
-                    ClusterResolve(self.w("minhash", "clusters"), remove_dir, F, self.w("deduped_ids"),
-                                   os.path.join(self.out, "dedup", "near_dup_clusters.jsonl"))], 1)]
+                    ClusterResolve(self.w("minhash", "clusters"), near_dir, F, self.work, parts if cfg.dedup.exact
+                                   else 0, os.path.join(self.out, "dedup", "near_dup_clusters.jsonl"))], 1)]
         tok_path = os.path.join(self.out, "tokenizer.json")
-        stages.append(Stage("tokenizer", [PrepareTokenizer(cfg, tok_path, self.w("deduped"), remove_dir, F)], 1))
-        tok_steps = [WorkReader(self.w("deduped"))]
-        if mh.enabled:
-            tok_steps.append(MinhashDedupFilter(remove_dir, exclusion_writer=rej("near_dup")))
+        stages.append(Stage("tokenizer", [PrepareTokenizer(cfg, tok_path, self._reread(near_dir), F)], 1))
+        tok_steps = self._reread(near_dir, rej("exact_dup"), rej("near_dup"))
         if cfg.decontaminate.enabled:
             tok_steps.append(Decontaminate(cfg.decontaminate, self.w("counts", "decontaminate"),
                                            rej("decontaminate")))
-        tok_steps.append(TokenizeStep(tok_path, cfg.tokenizer.eos_token, self.w("tokens"), cfg.tokenizer.batch_size,
+        tok_steps.append(TokenizeStep(tok_path, cfg.tokenizer.eos_token, self.shard_out(),
+                                      [f.source for f in self.files], cfg.tokenizer.batch_size,
                                       {s.name: s.chat for s in cfg.sources if s.is_templated}, self.rejects))
         stages.append(Stage("tokenize", tok_steps, F))
         return stages
 
+    def _reread(self, near_dir: str | None, exact_writer=None, near_writer=None) -> list[PipelineStep]:
+        """Reader + normaliser (no rejects: the scan stage wrote them) + the scan and dedup decisions."""
+        cfg = self.cfg
+        return [SourceReader(self.files, self.srcmap, None, cfg.normalize.max_chars, cfg.normalize,
+                             self.chat_template),
+                Normalize(cfg.normalize),
+                Select(self.work, cfg.dedup.exact_parts if cfg.dedup.exact else 0, near_dir, exact_writer, near_writer)]
+
+    def shard_out(self) -> ShardOut:
+        cfg = self.cfg
+        return ShardOut(self.out, self.work, os.path.join(self.out, "tokenizer.json"), cfg.shards.block_tokens, cfg.shards.shard_blocks,
+                        cfg.validation, {s.name: "preference" if s.is_preference else None for s in cfg.sources})
+
     def final_stages(self) -> list[Stage]:
         names = [s.name for s in self.cfg.sources]
-        ranks_of = {n: [r for r, f in enumerate(self.files) if f.source == n] for n in names}
-        return [Stage("shards", [WriteShards(self.out, names, ranks_of, self.w("tokens"),
-                                             os.path.join(self.out, "tokenizer.json"), self.cfg.tokenizer.eos_token,
-                                             self.cfg.shards.block_tokens, self.cfg.shards.shard_blocks,
-                                             self.w("sources"), self.cfg.validation)], len(names)),
+        return [Stage("validation", [WriteValidation(self.shard_out(), names, self.ranks_of(), len(self.files))],
+                      len(names)),
                 Stage("manifest", [ManifestStep(self)], 1)]
+
+    def ranks_of(self) -> dict[str, list[int]]:
+        return {s.name: [r for r, f in enumerate(self.files) if f.source == s.name] for s in self.cfg.sources}
 
     def submit_slurm(self, dry_run: bool = False) -> list[str]:
         return executors.submit_slurm(self.cfg.executor, self.stages() + self.final_stages(), self.work, dry_run)
@@ -208,11 +216,12 @@ class Build:
             add(st, "dropped_normalize", read["normalize"].get("dropped", 0))
             for k, v in read_json(self.w("counts", "filters", f"{r:05d}.json")).items():
                 add(st, f"dropped_{k}", v)
-            add(st, "exact_duplicates", load_remove_count(self.w("exact_remove", f"{r:05d}.remove.npy"), "npy"))
-            add(st, "near_duplicates", load_remove_count(self.w("minhash", "remove", f"{r:06d}.remove"), "raw"))
+            parts = self.cfg.dedup.exact_parts if self.cfg.dedup.exact else 0
+            add(st, "exact_duplicates", len(exact_removals(self.w("exact"), r, parts)))
+            add(st, "near_duplicates", len(near_removals(self.w("minhash", "remove"), r)))
             add(st, "decontaminated", self._decont_counts(r).get("decontaminated", 0))
             if self.srcmap[f.source].is_templated:
-                counts = read_json(self.w("tokens", f"{r:05d}.docs.json")).get("counts", {})
+                counts = read_json(task_info_path(self.work, r)).get("counts", {})
                 extra = ("dropped_prompt_too_long",) if self.srcmap[f.source].is_preference else ()
                 for k in ("dropped_too_long", "truncated", "loss_tokens", *extra):
                     add(st, k, counts.get(k, 0))
@@ -236,9 +245,9 @@ class Build:
         stats = self.source_stats()
         sources: dict[str, SourceInfo] = {}
         validation: dict[str, SourceInfo] = {}
+        ranks_of = self.ranks_of()
         for s in self.cfg.sources:
-            info = cfgmod.from_dict(SourceInfo, read_json(self.w("sources", f"{s.name}.json")))
-            val = cfgmod.from_dict(SourceInfo, read_json(self.w("sources", f"{s.name}.validation.json")))
+            info, val = source_infos(self.work, s.name, ranks_of[s.name], s.kind)
             info.stats = {**stats.get(s.name, {}), "documents": info.documents, "tokens": info.tokens,
                           "validation_documents": val.documents, "validation_tokens": val.tokens}
             info.kind = val.kind = s.kind
@@ -259,6 +268,8 @@ class Build:
                      software={"smoltrain": _pkg_version("smoltrain"), "datatrove": _pkg_version("datatrove"),
                                "tokenizers": tokenizers.__version__})
         m.format_version = m.needed_version()
+        if self.cfg.dedup.exact:
+            write_report(self.work, self.cfg.dedup.exact_parts, os.path.join(self.out, "dedup", "exact_clusters.jsonl"))
         cfgmod.save(self.cfg, os.path.join(self.out, "build_config.yaml"))
         write_manifest(self.out, m)
         return m

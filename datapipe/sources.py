@@ -14,6 +14,7 @@ read into one document per pair (`datapipe.preference`).
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
@@ -33,9 +34,19 @@ from datapipe.preference import read_pair
 
 @dataclass(frozen=True)
 class InputFile:
+    """One task's input: a whole file, or a piece of a large one (JSONL: bytes [start, end), a record
+    belonging to the piece its line starts in; Parquet: row groups [start, end), `first_row` rows before)."""
     source: str
     url: str
     fmt: str  # jsonl | parquet | text | chat | preference
+    start: int = 0
+    end: int | None = None  # None: to the end of the file
+    first_row: int = 0
+
+    @property
+    def split(self) -> bool:
+        """A JSONL piece of a split file: records are located by byte offset, not line number."""
+        return self.fmt != "parquet" and (self.start > 0 or self.end is not None)
 
 
 def _detect(url: str, fmt: str) -> str:
@@ -51,10 +62,13 @@ def _detect(url: str, fmt: str) -> str:
     return "text"
 
 
-def expand_sources(sources: list[SourceConfig]) -> list[InputFile]:
-    """The build's global, ordered file list (source priority order, then sorted paths).
+def expand_sources(sources: list[SourceConfig], max_task_bytes: int | None = None) -> list[InputFile]:
+    """The build's global, ordered task inputs (source priority order, then sorted paths, then pieces).
 
-    Fails fast, naming the path, when a path or glob matches nothing."""
+    Uncompressed JSONL files larger than `max_task_bytes` are split into byte ranges and Parquet files
+    into groups of row groups, so one large file runs on several cores. Parquet schemas are read here:
+    a source whose text field is not a column fails before anything runs. Fails fast, naming the path,
+    when a path or glob matches nothing."""
     files: list[InputFile] = []
     for src in sources:
         seen: set[str] = set()
@@ -68,8 +82,48 @@ def expand_sources(sources: list[SourceConfig]) -> list[InputFile]:
                 url = p if proto in ("file", "local") else f"{proto}://{p}"
                 if url not in seen:
                     seen.add(url)
-                    files.append(InputFile(src.name, url, _detect(url, src.format)))
+                    whole = InputFile(src.name, url, _detect(url, src.format))
+                    if whole.fmt == "parquet":
+                        files += _parquet_pieces(whole, src, max_task_bytes)
+                    else:
+                        files += _byte_pieces(whole, fsys.size(p), max_task_bytes)
     return files
+
+
+def _byte_pieces(f: InputFile, size: int, max_bytes: int | None) -> list[InputFile]:
+    compressed = f.url.lower().endswith((".gz", ".zst", ".zstd"))
+    if max_bytes is None or size <= max_bytes or compressed or f.fmt == "text":
+        return [f]
+    n = -(-size // max_bytes)
+    bounds = [size * k // n for k in range(n + 1)]
+    return [InputFile(f.source, f.url, f.fmt, a, b if k < n - 1 else None)
+            for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
+def _parquet_pieces(f: InputFile, src: SourceConfig, max_bytes: int | None) -> list[InputFile]:
+    """Checks the schema (the text field must be a column) and groups row groups into pieces."""
+    import pyarrow.parquet as pq
+
+    try:
+        with fsspec.open(f.url, "rb") as fh:
+            meta = pq.ParquetFile(fh).metadata
+    except Exception as e:  # noqa: BLE001 - an unreadable footer: one line naming the file
+        raise ValueError(f"{f.url}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    names = meta.schema.to_arrow_schema().names
+    if src.text_field not in names:
+        raise KeyError(f"source {src.name!r}: text field {src.text_field!r} is not a column of {f.url} "
+                       f"(columns: {', '.join(names)})")
+    pieces, start, row, first_row, size = [], 0, 0, 0, 0
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        if max_bytes is not None and size and size + rg.total_byte_size > max_bytes:
+            pieces.append(InputFile(f.source, f.url, f.fmt, start, g, first_row))
+            start, first_row, size = g, row, 0
+        size += rg.total_byte_size
+        row += rg.num_rows
+    if not pieces:
+        return [f]
+    return pieces + [InputFile(f.source, f.url, f.fmt, start, None, first_row)]
 
 
 def _open_binary(url: str) -> io.BufferedIOBase:
@@ -90,15 +144,18 @@ class SourceReader(PipelineStep):
     name = "📖 smoltrain source reader"
     type = "📖 - READER"
 
-    def __init__(self, files: list[InputFile], sources: dict[str, SourceConfig], rejects: str,
+    def __init__(self, files: list[InputFile], sources: dict[str, SourceConfig], rejects: str | None,
                  max_chars: int, normalize: NormalizeConfig | None = None, chat_template: str | None = None):
+        """`rejects` None: a re-read of input already checked once; bad records are skipped silently."""
         super().__init__()
         self.files, self.sources, self.max_chars = files, sources, max_chars
         self.rejects = rejects
         self.normalize, self.chat_template = normalize or NormalizeConfig(form="none", strip_control=False,
                                                                           whitespace=False), chat_template
 
-    def _reject_writer(self) -> JsonlWriter:
+    def _reject_writer(self):
+        if self.rejects is None:
+            return contextlib.nullcontext(None)
         return JsonlWriter(os.path.join(self.rejects, "read"), output_filename="${rank}.jsonl.gz")
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
@@ -107,7 +164,7 @@ class SourceReader(PipelineStep):
         with self._reject_writer() as rej:
             for lineno, text, doc_id, err, *extra in self._records(f, src):
                 self.stat_update("read")
-                meta = {"source": f.source, "file": f.url, "line": lineno}
+                meta = {"source": f.source, "file": f.url, "offset" if f.split else "line": lineno}
                 if isinstance(err, ConversationError):
                     self.stat_update(f"dropped_read:{err.reason}")
                     err = str(err)
@@ -120,6 +177,8 @@ class SourceReader(PipelineStep):
                         err = f"document has {len(text):,} characters, more than max_chars={self.max_chars:,}"
                 if err is not None:
                     self.stat_update("dropped_read")
+                    if rej is None:
+                        continue
                     keep = text if isinstance(text, str) and len(text) <= 10_000 else (text or "")[:10_000]
                     rej.write(Document(text=keep, id=doc_id or f"{f.url}:{lineno}",
                                        metadata={**meta, "filter": "read", "filter_reason": err}), rank)
@@ -140,8 +199,8 @@ class SourceReader(PipelineStep):
                 except UnicodeDecodeError as e:
                     yield 1, raw.decode("utf-8", "replace"), f"{f.source}/{base}", f"not UTF-8 at byte {e.start}"
                 return
-            for lineno, line in enumerate(fh, start=1):
-                fallback_id = f"{f.source}/{base}:{lineno}"
+            for lineno, line in _lines(fh, f):
+                fallback_id = f"{f.source}/{base}{'@' if f.split else ':'}{lineno}"
                 try:
                     s = line.decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -214,11 +273,10 @@ class SourceReader(PipelineStep):
         with fsspec.open(f.url, "rb") as fh:
             pf = pq.ParquetFile(fh)
             names = pf.schema_arrow.names
-            if src.text_field not in names:
-                raise KeyError(f"{f.url}: no column {src.text_field!r} (columns: {', '.join(names)})")
             cols = [src.text_field] + ([src.id_field] if src.id_field in names else [])
-            row = 0
-            for batch in pf.iter_batches(columns=cols, batch_size=4096):
+            row = f.first_row
+            groups = range(f.start, pf.num_row_groups if f.end is None else f.end)
+            for batch in pf.iter_batches(columns=cols, batch_size=4096, row_groups=groups):
                 d = batch.to_pydict()
                 for i, text in enumerate(d[src.text_field]):
                     row += 1
@@ -226,6 +284,23 @@ class SourceReader(PipelineStep):
                     if src.id_field in d:
                         rec[src.id_field] = d[src.id_field][i]
                     yield (row, *self._from_record(rec, src, f"{src.name}/{base}:{row}"))
+
+
+def _lines(fh, f: InputFile):
+    """(line number, line) of a whole file, or (byte offset, line) of the records starting in a piece."""
+    if not f.split:
+        yield from enumerate(fh, start=1)
+        return
+    pos = f.start
+    if pos > 0:
+        fh.seek(pos - 1)
+        pos += len(fh.readline()) - 1  # the line running through `start` belongs to the previous piece
+    while f.end is None or pos < f.end:
+        line = fh.readline()
+        if not line:
+            return
+        yield pos, line
+        pos += len(line)
 
 
 def check_fields(files: list[InputFile], sources: dict[str, SourceConfig], probe: int = 50) -> None:

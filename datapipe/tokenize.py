@@ -1,15 +1,12 @@
 """Tokenizers: train a byte-level BPE locally, load one, encode documents (EOS appended) per task.
 
-`TokenizeStep` writes each task's tokens to the work dir (`{rank}.tokens.npy` + `{rank}.docs.json`);
-`write_source` later packs them, in task order, into a source's shards, so shard bytes never depend on
-how many workers ran. It also makes the held-out validation split: a document is a candidate when the
-hash of (source, id) falls below `validation.fraction`; candidates with the smallest hashes go to
-`validation/SOURCE/` up to the caps, all other documents to `SOURCE/`.
+`TokenizeStep` packs each task's encoded documents straight into the task's shards and sets validation
+candidates aside (`datapipe.shardout`), so shard bytes never depend on how many workers ran.
 
 Rendered conversations (documents with `metadata["loss_spans"]`) are encoded with offsets, get no EOS
-(the template's end-of-turn token ends them) and a loss mask from their spans (`{rank}.mask.npy`); one
-longer than its source's `chat.max_tokens` is rejected (`too_long`, to `rejects/tokenize/`) or, with
-`chat.truncate`, cut and counted (`truncated`). Per-task counts go in `{rank}.docs.json`.
+(the template's end-of-turn token ends them) and a loss mask from their spans; one longer than its
+source's `chat.max_tokens` is rejected (`too_long`, to `rejects/tokenize/`) or, with `chat.truncate`,
+cut and counted (`truncated`). Per-task counts go in the task's `tasks/RANK.json`.
 
 A preference pair (documents with `metadata["pair"]`) becomes two documents, `ID#chosen` then
 `ID#rejected` (`datapipe.preference.encode_pairs`; rejects `prompt_too_long` and `too_long`); the
@@ -19,19 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
-import xxhash
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
 from datapipe.chat import token_mask
-from datapipe.config import ChatConfig, ValidationConfig
+from datapipe.config import ChatConfig
 from datapipe.preference import encode_pairs, pair_id
-from datapipe.workfiles import atomic_json, atomic_npy, read_json
-from storage.dataset import VALIDATION_PREFIX, SourceWriter
-from storage.manifest import SourceInfo, TokenizerInfo
+from datapipe.shardout import ShardOut, TaskShards
+from storage.manifest import TokenizerInfo
 from storage.shards import dtype_for_vocab
 
 
@@ -108,16 +103,17 @@ def tokenizer_info(path: str, eos_token: str) -> TokenizerInfo:
 
 
 class TokenizeStep(PipelineStep):
-    """Encodes documents in batches (HF tokenizers, Rust threads), appends EOS, writes the task's tokens."""
+    """Encodes documents in batches (HF tokenizers, Rust threads), appends EOS, and packs them into the
+    task's shards (`datapipe.shardout.TaskShards`)."""
 
     name = "🔢 tokenize"
     type = "🔢 - TOKENIZER"
 
-    def __init__(self, tokenizer_path: str, eos_token: str, out_dir: str, batch_size: int = 256,
-                 chat: dict[str, ChatConfig] | None = None, rejects: str | None = None):
+    def __init__(self, tokenizer_path: str, eos_token: str, out: ShardOut, source_of_rank: list[str],
+                 batch_size: int = 256, chat: dict[str, ChatConfig] | None = None, rejects: str | None = None):
         super().__init__()
         self.tokenizer_path, self.eos_token = tokenizer_path, eos_token
-        self.out_dir, self.batch_size = out_dir, batch_size
+        self.out, self.source_of_rank, self.batch_size = out, source_of_rank, batch_size
         self.chat, self.rejects = chat or {}, rejects
         self._tok = None
 
@@ -130,35 +126,30 @@ class TokenizeStep(PipelineStep):
         tok = self._tok
         eos = tok.token_to_id(self.eos_token)
         dtype = dtype_for_vocab(tok.get_vocab_size(with_added_tokens=True))
-        chunks, masks, ids, lengths = [], [], [], []
+        sink = TaskShards(self.out, self.source_of_rank[rank], rank, dtype.name)
         counts: dict[str, int] = {}
-        is_pairs = False
         batch = []
 
         def count(key: str, n: int = 1) -> None:
             counts[key] = counts.get(key, 0) + n
             self.stat_update(key, value=n)
 
+        def reject(doc, reason: str, why: str) -> None:
+            count(f"dropped_{reason}")
+            doc.metadata.update(filter="tokenize", filter_reason=why)
+            rej.write(doc, rank)
+
         def flush():
-            nonlocal is_pairs
-            flat: list[int] = []
             chats = [d for d in batch if "loss_spans" in d.metadata]
             if chats and "pair" in chats[0].metadata:  # all of a task's documents come from one source
-                is_pairs = True
                 for doc, res, cut in encode_pairs(tok, chats, self.chat):
                     if not isinstance(res, list):
-                        count(f"dropped_{res.reason}")
-                        doc.metadata.update(filter="tokenize", filter_reason=str(res))
-                        rej.write(doc, rank)
+                        reject(doc, res.reason, str(res))
                         continue
                     if cut:
                         count("truncated")
-                    for side_id, toks, mask in res:
-                        flat += toks
-                        masks.append(mask)
-                        count("loss_tokens", int(mask.sum()))
-                        ids.append(side_id)
-                        lengths.append(len(toks))
+                    count("loss_tokens", sum(int(m.sum()) for _, _, m in res))
+                    sink.add_group(pair_id(res[0][0]), [(i, np.asarray(t, dtype=dtype), m) for i, t, m in res])
             elif chats:
                 for doc, enc in zip(chats, tok.encode_batch([d.text for d in chats], add_special_tokens=False)):
                     cfg = self.chat.get(doc.metadata.get("source"), ChatConfig())
@@ -169,118 +160,40 @@ class TokenizeStep(PipelineStep):
                             count("truncated")
                         else:
                             why = "; nothing to train on before the cut" if cfg.truncate else ""
-                            count("dropped_too_long")
-                            doc.metadata.update(filter="tokenize", filter_reason=f"too_long: {len(toks):,} tokens, "
-                                                f"more than chat.max_tokens={cfg.max_tokens:,}{why}")
-                            rej.write(doc, rank)
+                            reject(doc, "too_long", f"too_long: {len(toks):,} tokens, more than "
+                                   f"chat.max_tokens={cfg.max_tokens:,}{why}")
                             continue
-                    flat += toks
-                    masks.append(mask)
                     count("loss_tokens", int(mask.sum()))
-                    ids.append(doc.id)
-                    lengths.append(len(toks))
+                    sink.add_group(doc.id, [(doc.id, np.asarray(toks, dtype=dtype), mask)])
             else:
-                for doc, enc in zip(batch, tok.encode_batch_fast([d.text for d in batch], add_special_tokens=False)):
-                    toks = enc.ids
-                    flat += toks
+                encs = tok.encode_batch_fast([d.text for d in batch], add_special_tokens=False)
+                flat: list[int] = []
+                for enc in encs:
+                    flat += enc.ids
                     flat.append(eos)
-                    ids.append(doc.id)
-                    lengths.append(len(toks) + 1)
-            chunks.append(np.array(flat, dtype=dtype))  # one conversion per batch, not per document
+                arr = np.array(flat, dtype=dtype)  # one conversion per batch, not per document
+                off = 0
+                for doc, enc in zip(batch, encs):
+                    n = len(enc.ids) + 1
+                    sink.add_group(doc.id, [(doc.id, arr[off:off + n], None)])
+                    off += n
             batch.clear()
 
         from datatrove.pipeline.writers.jsonl import JsonlWriter
 
-        rej_dir = self.rejects or os.path.join(self.out_dir, "rejects")
-        with JsonlWriter(os.path.join(rej_dir, "tokenize"), output_filename="${rank}.jsonl.gz") as rej:
-            for doc in data:
-                self.stat_update("documents")
-                batch.append(doc)
-                if len(batch) >= self.batch_size:
+        rej_dir = self.rejects or os.path.join(self.out.work, "rejects")
+        try:
+            with JsonlWriter(os.path.join(rej_dir, "tokenize"), output_filename="${rank}.jsonl.gz") as rej:
+                for doc in data:
+                    self.stat_update("documents")
+                    batch.append(doc)
+                    if len(batch) >= self.batch_size:
+                        flush()
+                if batch:
                     flush()
-            if batch:
-                flush()
-        tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
-        self.stat_update("tokens", value=len(tokens))
-        atomic_json(os.path.join(self.out_dir, f"{rank:05d}.docs.json"),
-                    {"ids": ids, "lengths": lengths, "masked": bool(masks), "pairs": is_pairs, "counts": counts})
-        if masks:
-            atomic_npy(os.path.join(self.out_dir, f"{rank:05d}.mask.npy"), np.concatenate(masks))
-        atomic_npy(os.path.join(self.out_dir, f"{rank:05d}.tokens.npy"), tokens)
+        except BaseException:
+            sink.abort()
+            raise
+        sink.close(counts)
         return
         yield
-
-
-def iter_task_docs(token_dir: str, rank: int) -> Iterator[tuple[str, np.ndarray, np.ndarray | None]]:
-    """(doc_id, tokens, loss mask or None) of one tokenize task's documents."""
-    meta = read_json(os.path.join(token_dir, f"{rank:05d}.docs.json"))
-    tokens = np.load(os.path.join(token_dir, f"{rank:05d}.tokens.npy"), allow_pickle=False)
-    masks = (np.load(os.path.join(token_dir, f"{rank:05d}.mask.npy"), allow_pickle=False)
-             if meta.get("masked") else None)
-    off = 0
-    for doc_id, n in zip(meta["ids"], meta["lengths"]):
-        yield doc_id, tokens[off:off + n], None if masks is None else masks[off:off + n]
-        off += n
-
-
-VALIDATION_SEED = 0x5EED_0001  # fixed: the held-out set must not move between builds
-
-
-def holdout_score(source: str, doc_id: str) -> float:
-    """xxh64 (seed `VALIDATION_SEED`) of `SOURCE\\0DOC_ID`, its top 53 bits mapped to [0, 1)."""
-    h = xxhash.xxh64_intdigest(f"{source}\0{doc_id}".encode(), seed=VALIDATION_SEED)
-    return (h >> 11) * 2.0**-53
-
-
-def select_validation(source: str, docs: Iterable[tuple[str, int]], cfg: ValidationConfig) -> set[int]:
-    """Positions (in `docs` order) of the held-out documents among `docs` = (doc_id, tokens) pairs:
-    candidates by `holdout_score < fraction`, smallest scores first, until a cap would be exceeded."""
-    if not cfg.enabled:
-        return set()
-    cands = []
-    for pos, (doc_id, n) in enumerate(docs):
-        score = holdout_score(source, doc_id)
-        if score < cfg.fraction:
-            cands.append((score, pos, n))
-    cands.sort()  # ties (equal ids) fall back to position, so the choice is still deterministic
-    held: set[int] = set()
-    tokens = 0
-    for _, pos, n in cands:
-        if cfg.max_documents is not None and len(held) + 1 > cfg.max_documents:
-            break
-        if cfg.max_tokens is not None and tokens + n > cfg.max_tokens:
-            break
-        held.add(pos)
-        tokens += n
-    return held
-
-
-def write_source(dataset: str, source: str, ranks: list[int], token_dir: str, dtype: str, block_tokens: int,
-                 shard_blocks: int, validation: ValidationConfig | None = None) -> tuple[SourceInfo, SourceInfo]:
-    """Pack one source's tokenized tasks, in rank order, into shards (format v2 blocks for conversations):
-    (training, held-out). A preference source's pairs (two consecutive documents) are held out by pair id
-    and written as groups, so both sides share a block and a split."""
-    cfg = validation or ValidationConfig(fraction=0.0)
-    metas = [read_json(os.path.join(token_dir, f"{r:05d}.docs.json")) for r in ranks]
-    pairs = any(m.get("pairs") for m in metas)
-    docs = [(i, n) for m in metas for i, n in zip(m["ids"], m["lengths"])]
-    if pairs:
-        docs = [(pair_id(c[0]), c[1] + r[1]) for c, r in zip(docs[::2], docs[1::2])]
-    held = select_validation(source, docs, cfg)
-    kind = "preference" if pairs else None
-    train = SourceWriter(dataset, source, dtype, block_tokens=block_tokens, shard_blocks=shard_blocks, kind=kind)
-    val = SourceWriter(dataset, source, dtype, block_tokens=block_tokens, shard_blocks=shard_blocks,
-                       prefix=VALIDATION_PREFIX, kind=kind)
-    try:
-        pos = 0
-        for r in ranks:
-            it = iter_task_docs(token_dir, r)
-            for doc in it:
-                group = [doc, next(it)] if pairs else [doc]
-                (val if pos in held else train).add_group(group)
-                pos += 1
-    except BaseException:
-        train.abort()
-        val.abort()
-        raise
-    return train.close(), val.close()

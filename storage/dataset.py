@@ -17,9 +17,10 @@ from storage.shards import ShardReader, parse_dtype
 VALIDATION_PREFIX = "validation"
 
 
-def shard_relpath(source: str, index: int, prefix: str = "") -> str:
-    """`SOURCE/shard-NNNNNN.tar`, or `PREFIX/SOURCE/shard-NNNNNN.tar` with a prefix."""
-    path = f"{source}/shard-{index:06d}.tar"
+def shard_relpath(source: str, index: int, prefix: str = "", task: int | None = None) -> str:
+    """`SOURCE/shard-NNNNNN.tar`, or `SOURCE/shard-TTTTT-NNNN.tar` for the shards written by build task
+    TTTTT; under `PREFIX/` with a prefix."""
+    path = f"{source}/shard-{index:06d}.tar" if task is None else f"{source}/shard-{task:05d}-{index:04d}.tar"
     return f"{prefix.strip('/')}/{path}" if prefix else path
 
 
@@ -30,10 +31,11 @@ class SourceWriter:
     Documents given with a loss mask (conversations) make format 2 blocks and a source of kind "chat"
     (or `kind`, e.g. "preference"); a source's documents all have masks or none do. `add_group` adds
     documents that must share a block (a preference pair's two sides). `close()` returns the source's
-    manifest entry."""
+    manifest entry. With `task`, shard names carry the build task that wrote them (`shard_relpath`)."""
 
     def __init__(self, dataset: str, source: str, dtype: str, block_tokens: int = 262_144,
-                 shard_blocks: int = 64, first_shard: int = 0, prefix: str = "", kind: str | None = None):
+                 shard_blocks: int = 64, first_shard: int = 0, prefix: str = "", kind: str | None = None,
+                 task: int | None = None):
         if block_tokens <= 0 or shard_blocks <= 0:
             raise ValueError("block_tokens and shard_blocks must be > 0")
         self.dataset, self.source, self.dtype, self.prefix = dataset, source, parse_dtype(dtype), prefix
@@ -48,6 +50,7 @@ class SourceWriter:
         self._pending = 0
         self._masked: bool | None = None  # set by the first document
         self._kind = kind
+        self._task = task
 
     def add_document(self, doc_id: str, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
         self.add_group([(doc_id, tokens, mask)])
@@ -81,7 +84,7 @@ class SourceWriter:
         if not self._docs:
             return
         if self._writer is None:
-            self._relpath = shard_relpath(self.source, self._next_shard, self.prefix)
+            self._relpath = shard_relpath(self.source, self._next_shard, self.prefix, self._task)
             self._writer = ShardWriter(fs.join(self.dataset, self._relpath), self.dtype, self.source)
             self._next_shard += 1
         offsets = np.concatenate([[0], np.cumsum([len(d) for d in self._docs])]).tolist()

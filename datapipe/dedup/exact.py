@@ -1,8 +1,11 @@
 """Exact dedup: hash each kept document's normalised text, keep the first occurrence in priority order.
 
 Priority order is the build's global document order (source order in the config, then file, then line),
-so a document shared by two sources is kept in the higher-priority one. Hashes are written per task;
-one global pass decides removals and writes the duplicate clusters (ids) for auditing.
+so a document shared by two sources is kept in the higher-priority one. The scan tasks write their
+hashes partitioned by hash value (`hashes/PART/RANK.npy`: hash, post-filter index); one task per
+partition finds the duplicates of its hash range, so no process holds more than about 1/parts of the
+corpus's hashes (16 bytes a document). Removals go to `exact/PART/RANK.npy`, the duplicate clusters
+(ids) of each partition to `exact/report/PART.jsonl`, concatenated into the dataset's report at the end.
 """
 from __future__ import annotations
 
@@ -15,21 +18,26 @@ from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
 from datapipe.workfiles import atomic_json, atomic_npy, load_npy
+from storage.fs import atomic_write_bytes
 
 
 def text_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
+def ids_path(work: str, rank: int) -> str:
+    return os.path.join(work, "ids", f"{rank:05d}.json")
+
+
 class ExactHasher(PipelineStep):
-    """Passes documents through, recording (hash, id) of each in `folder/{rank}.npy|.ids.json`."""
+    """Passes documents through, recording each one's hash (by partition) and id."""
 
     name = "#️⃣ exact hash"
     type = "🫂 - DEDUP"
 
-    def __init__(self, folder: str):
+    def __init__(self, work: str, parts: int):
         super().__init__()
-        self.folder = folder
+        self.work, self.parts = work, parts
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         hashes, ids = [], []
@@ -37,76 +45,84 @@ class ExactHasher(PipelineStep):
             hashes.append(text_hash(doc.text))
             ids.append(doc.id)
             yield doc
-        atomic_json(os.path.join(self.folder, f"{rank:05d}.ids.json"), ids)
-        atomic_npy(os.path.join(self.folder, f"{rank:05d}.npy"), np.asarray(hashes, dtype=np.uint64))
+        atomic_json(ids_path(self.work, rank), ids)
+        h = np.asarray(hashes, dtype=np.uint64)
+        idx = np.arange(len(h), dtype=np.uint64)
+        part = h % np.uint64(self.parts)
+        for p in range(self.parts):
+            sel = part == p
+            atomic_npy(os.path.join(self.work, "hashes", f"{p:03d}", f"{rank:05d}.npy"),
+                       np.stack([h[sel], idx[sel]], axis=1))
 
 
-def find_exact_duplicates(hash_dir: str, out_dir: str, n_ranks: int, report_path: str) -> int:
-    """Write `out_dir/{rank}.remove.npy` (sorted indices to drop) and a JSONL report of clusters
-    (`kept` id and `removed` ids); return the number of documents removed."""
-    per_rank = [load_npy(os.path.join(hash_dir, f"{r:05d}.npy"), np.uint64) for r in range(n_ranks)]
-    sizes = [len(h) for h in per_rank]
-    all_h = np.concatenate(per_rank) if per_rank else np.zeros(0, np.uint64)
-    rank_of = np.repeat(np.arange(n_ranks), sizes)
-    idx_of = np.concatenate([np.arange(n) for n in sizes]) if sizes else np.zeros(0, np.int64)
-    order = np.argsort(all_h, kind="stable")  # stable: equal hashes stay in priority order
-    sorted_h = all_h[order]
+def find_exact_duplicates(work: str, part: int, n_ranks: int) -> int:
+    """Duplicates among the hashes of partition `part`: writes the removals per rank and the part's
+    cluster report; returns the number of documents removed."""
+    per_rank = [load_npy(os.path.join(work, "hashes", f"{part:03d}", f"{r:05d}.npy"), np.uint64).reshape(-1, 2)
+                for r in range(n_ranks)]
+    rank_of = np.repeat(np.arange(n_ranks), [len(a) for a in per_rank])
+    both = np.concatenate(per_rank) if per_rank else np.zeros((0, 2), np.uint64)
+    hashes, idx_of = both[:, 0], both[:, 1]
+    order = np.argsort(hashes, kind="stable")  # stable: equal hashes stay in priority order
+    sorted_h = hashes[order]
     first = np.ones(len(order), dtype=bool)
     first[1:] = sorted_h[1:] != sorted_h[:-1]
     dup_pos = order[~first]
-    removed = 0
-    for r in range(n_ranks):
+    for r in np.unique(rank_of[dup_pos]).tolist():
         rm = np.sort(idx_of[dup_pos][rank_of[dup_pos] == r]).astype(np.uint32)
-        removed += len(rm)
-        atomic_npy(os.path.join(out_dir, f"{r:05d}.remove.npy"), rm)
-    ids_cache: dict[int, list[str]] = {}
-
-    def doc_id(pos: int) -> str:
-        r = int(rank_of[pos])
-        if r not in ids_cache:
-            with open(os.path.join(hash_dir, f"{r:05d}.ids.json")) as f:
-                ids_cache[r] = json.load(f)
-        return ids_cache[r][int(idx_of[pos])]
-
+        atomic_npy(os.path.join(work, "exact", f"{part:03d}", f"{r:05d}.npy"), rm)
+    starts = np.flatnonzero(first)
+    ends = np.append(starts[1:], len(order))
+    groups = [order[a:b] for a, b in zip(starts, ends) if b - a > 1]
+    ids = lookup_ids(work, [(int(rank_of[p]), int(idx_of[p])) for g in groups for p in g])
     lines = []
-    group_start = np.flatnonzero(first)
-    group_end = np.append(group_start[1:], len(order))
-    for a, b in zip(group_start, group_end):
-        if b - a > 1:
-            lines.append(json.dumps({"kept": doc_id(order[a]), "removed": [doc_id(p) for p in order[a + 1:b]]}))
-    os.makedirs(os.path.dirname(report_path), exist_ok=True)
-    atomic_text(report_path, "".join(line + "\n" for line in lines))
-    return removed
+    for g in groups:
+        names = [ids[(int(rank_of[p]), int(idx_of[p]))] for p in g]
+        lines.append(json.dumps({"kept": names[0], "removed": names[1:]}) + "\n")
+    atomic_write_bytes(os.path.join(work, "exact", "report", f"{part:03d}.jsonl"), "".join(lines).encode())
+    return len(dup_pos)
 
 
-def atomic_text(path: str, text: str) -> None:
-    from storage.fs import atomic_write_bytes
+def lookup_ids(work: str, wanted: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    """Document ids of (rank, post-filter index) pairs, reading one rank's id list at a time."""
+    out: dict[tuple[int, int], str] = {}
+    by_rank: dict[int, list[int]] = {}
+    for r, i in wanted:
+        by_rank.setdefault(r, []).append(i)
+    for r in sorted(by_rank):
+        with open(ids_path(work, r)) as f:
+            ids = json.load(f)
+        for i in by_rank[r]:
+            out[(r, i)] = ids[i]
+    return out
 
-    atomic_write_bytes(path, text.encode())
+
+def exact_removals(exact_dir: str, rank: int, parts: int) -> np.ndarray:
+    """Sorted post-filter indices of `rank`'s exact duplicates (an empty array with exact dedup off)."""
+    found = [load_npy(os.path.join(exact_dir, f"{p:03d}", f"{rank:05d}.npy"), np.uint32) for p in range(parts)]
+    return np.sort(np.concatenate(found)) if found else np.zeros(0, np.uint32)
 
 
-class IndexRemover(PipelineStep):
-    """Drops the documents whose stream index is listed in `folder/{rank}.remove.npy`; they go to the
-    exclusion writer with `reason`."""
+def write_report(work: str, parts: int, path: str) -> None:
+    """The dataset's `dedup/exact_clusters.jsonl`: every partition's clusters, in partition order."""
+    chunks = []
+    for p in range(parts):
+        part = os.path.join(work, "exact", "report", f"{p:03d}.jsonl")
+        if os.path.exists(part):
+            with open(part, "rb") as f:
+                chunks.append(f.read())
+    atomic_write_bytes(path, b"".join(chunks))
 
-    type = "🫂 - DEDUP"
 
-    def __init__(self, folder: str, label: str, reason: str, exclusion_writer=None):
+class ExactResolve(PipelineStep):
+    """Task `rank` resolves exact duplicates in hash partition `rank`."""
+
+    name = "#️⃣ exact dedup (partition)"
+
+    def __init__(self, work: str, n_ranks: int):
         super().__init__()
-        self.folder, self.label, self.reason = folder, label, reason
-        self.exclusion_writer = exclusion_writer
-        self.name = f"✂️ {label}"
+        self.work, self.n_ranks = work, n_ranks
 
-    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        path = os.path.join(self.folder, f"{rank:05d}.remove.npy")
-        remove = set(load_npy(path, np.uint32).tolist()) if os.path.exists(path) else set()
-        with self.exclusion_writer as rej:
-            for i, doc in enumerate(data):
-                self.stat_update("total")
-                if i in remove:
-                    self.stat_update("dropped")
-                    doc.metadata.update(filter=self.label, filter_reason=self.reason)
-                    rej.write(doc, rank)
-                    continue
-                self.stat_update("forwarded")
-                yield doc
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        n = find_exact_duplicates(self.work, rank, self.n_ranks)
+        self.stat_update("removed", value=n)

@@ -8,7 +8,7 @@
   files; tests/datapipe/test_datapipe_minhash.py and tools/bench/bench_dedup.py compare whole runs of both
   steps, document for document.
 - datatrove's cluster stage keeps an arbitrary member of each cluster (union by size);
-  `resolve_clusters` rewrites its `.remove` files so the member first in priority order is kept, and
+  `resolve_clusters` writes our own `.remove` files so the member first in priority order is kept, and
   writes the clusters (ids) to a JSONL report.
 """
 from __future__ import annotations
@@ -24,8 +24,9 @@ from datatrove.utils.hashing import HashConfig
 from datatrove.utils.text import simplify_text
 
 from datapipe.config import MinhashSettings
-from datapipe.dedup.exact import atomic_text
+from datapipe.dedup.exact import exact_removals, lookup_ids
 from datapipe.wordtok import tokenize_words
+from storage.fs import atomic_write_bytes
 
 _MERSENNE = np.uint64((1 << 61) - 1)
 
@@ -54,43 +55,34 @@ class FastMinhashSignature(MinhashDedupSignature):
         return np.fromiter(map(h, joined), dtype=np.uint64, count=len(joined)).reshape((-1, 1))
 
 
-def resolve_clusters(cluster_dir: str, remove_dir: str, n_ranks: int, ids_dir: str, report_path: str) -> int:
-    """Keep, per near-duplicate cluster, the member first in (rank, index) order; write
-    `remove_dir/{rank:06d}.remove` as datatrove's filter stage reads it and a JSONL cluster report.
-    Returns the number of documents to remove."""
+def resolve_clusters(cluster_dir: str, remove_dir: str, n_ranks: int, work: str, exact_parts: int,
+                     report_path: str) -> int:
+    """Keep, per near-duplicate cluster, the member first in (rank, index) order among those that are not
+    exact duplicates (removed as such; their kept copy is in the same cluster, so the choice is the same);
+    write `remove_dir/{rank:06d}.remove` (sorted post-filter indices) and a JSONL cluster report.
+    Memory: the clustered documents only (datatrove's cluster stage writes just those). Returns the number
+    of documents to remove."""
     members: dict[int, list[tuple[int, int]]] = {}
     for r in range(n_ranks):
         path = os.path.join(cluster_dir, f"{r:06d}.clusters")
         if not os.path.exists(path):
             continue
+        exact = set(exact_removals(os.path.join(work, "exact"), r, exact_parts).tolist())
         pairs = np.fromfile(path, dtype="<u4").reshape(-1, 2)
         for doc, cid in pairs.tolist():
-            members.setdefault(cid, []).append((r, doc))
+            if doc not in exact:
+                members.setdefault(cid, []).append((r, doc))
+    clusters = sorted(sorted(m) for m in members.values() if len(m) > 1)
     removes: dict[int, list[int]] = {r: [] for r in range(n_ranks)}
-    clusters = []
-    for cid in sorted(members):
-        mem = sorted(members[cid])
-        clusters.append(mem)
+    for mem in clusters:
         for r, d in mem[1:]:
             removes[r].append(d)
-    os.makedirs(remove_dir, exist_ok=True)
     total = 0
     for r, docs in removes.items():
         docs.sort()
         total += len(docs)
-        data = struct.pack(f"<{len(docs)}I", *docs)
-        from storage.fs import atomic_write_bytes
-
-        atomic_write_bytes(os.path.join(remove_dir, f"{r:06d}.remove"), data)
-    ids: dict[int, list[str]] = {}
-
-    def doc_id(r: int, d: int) -> str:
-        if r not in ids:
-            with open(os.path.join(ids_dir, f"{r:05d}.ids.json")) as f:
-                ids[r] = json.load(f)
-        return ids[r][d]
-
-    clusters.sort()
-    lines = [json.dumps({"kept": doc_id(*m[0]), "removed": [doc_id(*x) for x in m[1:]]}) + "\n" for m in clusters]
-    atomic_text(report_path, "".join(lines))
+        atomic_write_bytes(os.path.join(remove_dir, f"{r:06d}.remove"), struct.pack(f"<{len(docs)}I", *docs))
+    ids = lookup_ids(work, [m for mem in clusters for m in mem])
+    lines = [json.dumps({"kept": ids[m[0]], "removed": [ids[x] for x in m[1:]]}) + "\n" for m in clusters]
+    atomic_write_bytes(report_path, "".join(lines).encode())
     return total

@@ -161,7 +161,8 @@ def test_stock_tools_read_chat_shard(built, tmp_path):
     cfg, _, _ = built
     shard = Path(cfg.output, read_manifest(cfg.output).sources["chat"].shards[0].path)
     names = subprocess.run(["tar", "-tf", str(shard)], capture_output=True, text=True, check=True).stdout.split()
-    assert names[:3] == ["shard-000000_000000.tokens.lz4", "shard-000000_000000.json", "shard-000000_000000.mask.lz4"]
+    assert names[:3] == ["shard-00000-0000_000000.tokens.lz4", "shard-00000-0000_000000.json",
+                         "shard-00000-0000_000000.mask.lz4"]
     block = ShardReader(str(shard)).read_block(0)
     require_tool("lz4")
     with tarfile.open(shard) as tar:

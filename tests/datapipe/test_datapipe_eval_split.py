@@ -121,9 +121,8 @@ def _rejects(out: str, folder: str) -> list[dict]:
 
 def _reaching_shards(cfg) -> set[str]:
     """Ids that passed exact and near dedup (the input of decontamination)."""
-    work = Path(cfg.output, "_work", "deduped")
-    ids = {json.loads(x)["id"] for p in work.glob("*.jsonl") for x in p.read_text().splitlines()}
-    return ids - {d["id"] for d in _rejects(cfg.output, "near_dup")}
+    passed_filters = {i for p in Path(cfg.output, "_work", "ids").glob("*.json") for i in json.loads(p.read_text())}
+    return passed_filters - {d["id"] for folder in ("exact_dup", "near_dup") for d in _rejects(cfg.output, folder)}
 
 
 # ------------------------------------------------------------------------------------------ validation

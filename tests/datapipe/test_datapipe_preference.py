@@ -179,7 +179,7 @@ def test_pairs_adjacent_in_one_block_and_split_together(built):
     assert own_block >= 1  # a pair longer than a block got one of its own
     held = [k for k, s in seen.items() if s == "validation"]
     assert 0 < len(held) < len(seen) - 5
-    from datapipe.tokenize import holdout_score
+    from datapipe.shardout import holdout_score
     for k, s in seen.items():  # the pair id decides the split
         assert (s == "validation") == (holdout_score(k.split("/")[0], k) < 0.3)
 

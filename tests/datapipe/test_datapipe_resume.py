@@ -76,7 +76,7 @@ def test_kill9_then_rerun_is_byte_identical(tmp_path, small_tokenizer):
     assert any(k.endswith(".tar") for k in reference) and "manifest.json" in reference
     shutil.move(out, tmp_path / "reference")
 
-    killed = [_run(config, kill_when=out / "_work" / "logs" / "filter" / "completions"),
+    killed = [_run(config, kill_when=out / "_work" / "logs" / "scan" / "completions"),
               _run(config, kill_when=out / "_work" / "logs" / "tokenize" / "completions")]
     assert all(killed), f"a build finished before it could be killed: {killed}"
     assert not (out / "manifest.json").exists()

@@ -1,0 +1,146 @@
+"""Per-task keep decisions, so that no stage needs a copy of the text: the scan stage records which
+documents passed the filters; dedup stages write removal lists; later stages re-read the original input
+and apply them.
+
+A task's documents are numbered twice: `pos`, the position in the stream after reading and normalising
+(both deterministic, so a re-read reproduces it), and the post-filter index, the position among the
+documents that passed the filters (the numbering of exact and near-duplicate removals, and of MinHash
+signature files). `kept/{rank}.npy` maps post-filter index to `pos`; `edits/{rank}.json.gz` holds the
+rewrites filters made (C4 drops lines) as line references, not copies.
+"""
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+from collections import deque
+
+import numpy as np
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+
+from datapipe.dedup.exact import exact_removals
+from datapipe.workfiles import atomic_npy, load_npy
+from storage.fs import atomic_write_bytes
+
+
+def kept_path(work: str, rank: int) -> str:
+    return os.path.join(work, "kept", f"{rank:05d}.npy")
+
+
+def near_removals(remove_dir: str | None, rank: int) -> np.ndarray:
+    """Post-filter indices of near duplicates to drop (sorted), as the cluster stage wrote them."""
+    path = os.path.join(remove_dir, f"{rank:06d}.remove") if remove_dir else ""
+    return np.fromfile(path, dtype="<u4") if path and os.path.exists(path) else np.zeros(0, np.uint32)
+
+
+def line_edit(orig: str, final: str) -> list | str:
+    """How a filter rewrote a document (C4 drops and strips lines): the final text as parts, each the
+    index of an original line (stripped) or a literal line; the whole final text when that is no shorter."""
+    lines, parts, j = orig.splitlines(), [], 0
+    for f in final.split("\n"):
+        k = j
+        while k < len(lines) and lines[k].strip() != f:
+            k += 1
+        if k < len(lines):
+            parts.append(k)
+            j = k + 1
+        else:
+            parts.append(f)
+    if apply_edit(orig, parts) != final or sum(isinstance(p, str) for p in parts) > len(parts) // 2:
+        return final
+    return parts
+
+
+def apply_edit(orig: str, edit: list | str) -> str:
+    if isinstance(edit, str):
+        return edit
+    lines = orig.splitlines()
+    return "\n".join(lines[p].strip() if isinstance(p, int) else p for p in edit)
+
+
+def edits_path(work: str, rank: int) -> str:
+    return os.path.join(work, "edits", f"{rank:05d}.json.gz")
+
+
+class FilterAndRecord(PipelineStep):
+    """Runs the filter chain and records, for every document that passes, its `pos` (`kept/RANK.npy`)
+    and, when a filter rewrote its text, the edit (`edits/RANK.json.gz`), so a re-read gets the same text."""
+
+    name = "📝 filter + kept positions"
+
+    def __init__(self, filters: PipelineStep, work: str):
+        super().__init__()
+        self.filters, self.work = filters, work
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        pending: deque[tuple[Document, str]] = deque()
+
+        def numbered():
+            for doc in data:
+                pending.append((doc, doc.text))
+                yield doc
+
+        kept, edits, pos = [], [], -1
+        for doc in self.filters.run(numbered(), rank, world_size):
+            while True:  # filters keep the order; the documents before this one were dropped
+                pos += 1
+                seen, orig = pending.popleft()
+                if seen is doc:
+                    break
+            if doc.text != orig:
+                edits.append([len(kept), line_edit(orig, doc.text)])
+            kept.append(pos)
+            yield doc
+        atomic_npy(kept_path(self.work, rank), np.asarray(kept, dtype=np.uint32))
+        atomic_write_bytes(edits_path(self.work, rank), gzip.compress(json.dumps(edits).encode(), 1, mtime=0))
+
+
+class Select(PipelineStep):
+    """On a re-read (reader + normalise), keeps what the earlier stages kept: documents that passed the
+    filters and are neither exact nor near duplicates. Duplicates go to the exclusion writers (when given)
+    with their reason."""
+
+    name = "✅ apply decisions"
+    type = "🫂 - DEDUP"
+
+    def __init__(self, work: str, exact_parts: int, near_dir: str | None, exact_writer=None, near_writer=None):
+        super().__init__()
+        self.work, self.exact_parts, self.near_dir = work, exact_parts, near_dir
+        self.exact_writer, self.near_writer = exact_writer, near_writer
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        with contextlib.ExitStack() as stack:
+            writers = [w if w is None else stack.enter_context(w) for w in (self.exact_writer, self.near_writer)]
+            yield from self._select(data, rank, *writers)
+
+    def _select(self, data: DocumentsPipeline, rank: int, exact_writer, near_writer) -> DocumentsPipeline:
+        kept = load_npy(kept_path(self.work, rank), np.uint32)
+        with gzip.open(edits_path(self.work, rank)) as f:
+            edits = dict(json.load(f))
+        exact = set(exact_removals(os.path.join(self.work, "exact"), rank, self.exact_parts).tolist())
+        near = set(near_removals(self.near_dir, rank).tolist())
+        i = 0
+        for pos, doc in enumerate(data):
+            if i >= len(kept):
+                break
+            if pos != kept[i]:
+                continue
+            idx, i = i, i + 1
+            for removed, writer, label, reason in ((exact, exact_writer, "exact_dup", "exact duplicate"),
+                                                   (near, near_writer, "near_dup", "near duplicate")):
+                if idx in removed:
+                    self.stat_update(f"dropped_{label}")
+                    if writer is not None:
+                        doc.metadata.update(filter=label, filter_reason=reason)
+                        writer.write(doc, rank)
+                    break
+            else:
+                if idx in edits:
+                    doc.text = apply_edit(doc.text, edits[idx])
+                self.stat_update("forwarded")
+                yield doc
+        if i != len(kept):
+            raise RuntimeError(f"task {rank}: the input changed since it was filtered ({i} of {len(kept)} kept "
+                               "documents found again); rebuild with --fresh")

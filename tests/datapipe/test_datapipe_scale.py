@@ -1,0 +1,109 @@
+"""Corpus-scale build: large files split into tasks give the same documents as whole files, the work dir
+holds no copy of the text, Parquet schemas are checked before anything runs, and every exact-dedup
+partition count gives the same dataset."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from datapipe.config import BuildConfig, DedupConfig, SourceConfig, TokenizerConfig
+from datapipe.pipeline import Build
+from datapipe.sources import SourceReader, expand_sources
+from storage.dataset import iter_documents
+from storage.manifest import read_manifest
+from testutil import read_corpus, write_jsonl
+
+
+def _docs(out: str) -> dict[str, list[int]]:
+    m = read_manifest(out)
+    return {doc_id: toks.tolist() for src in (*m.sources.values(), *m.validation.values())
+            for doc_id, toks in iter_documents(out, src.shards)}
+
+
+def _build(tmp_path: Path, name: str, srcs: list[SourceConfig], tok: str, **kw) -> str:
+    cfg = BuildConfig(output=str(tmp_path / name), sources=srcs, tokenizer=TokenizerConfig(path=tok), **kw)
+    cfg.validation.fraction = 0.05
+    Build(cfg, workers=2).run(progress=False)
+    return cfg.output
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scale")
+    recs = read_corpus("fortunes", 1500)
+    recs += recs[:40]  # exact duplicates across the pieces of the split file
+    jsonl = write_jsonl(root / "web.jsonl", recs)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = read_corpus("pydoc", 300)
+    parquet = str(root / "docs.parquet")
+    pq.write_table(pa.table({"id": [d["id"] for d in docs], "text": [d["text"] for d in docs]}), parquet,
+                   row_group_size=40)
+    return root, jsonl, parquet
+
+
+def test_split_files_give_the_same_documents(inputs, tmp_path, small_tokenizer):
+    root, jsonl, parquet = inputs
+
+    def srcs():
+        return [SourceConfig("docs", [parquet], filters=[]), SourceConfig("web", [jsonl], filters=[])]
+
+    whole = _build(tmp_path, "whole", srcs(), small_tokenizer, max_task_bytes=None)
+    split = _build(tmp_path, "split", srcs(), small_tokenizer, max_task_bytes=64 * 1024,
+                   dedup=DedupConfig(exact_parts=3))
+    files = expand_sources(srcs(), 64 * 1024)
+    assert len([f for f in files if f.source == "web"]) >= 4 and len([f for f in files if f.source == "docs"]) >= 3
+    assert _docs(split) == _docs(whole)  # same ids, same tokens, same held-out documents
+    mw, ms = read_manifest(whole), read_manifest(split)
+    assert mw.sources["web"].stats["exact_duplicates"] == ms.sources["web"].stats["exact_duplicates"] >= 40
+    assert ms.sources["web"].shards[0].path.startswith("web/shard-00")
+    # no stage wrote a copy of the text into the work dir
+    probe = read_corpus("fortunes", 1500)[700]["text"].split("\n")[0].encode()
+    assert len(probe) > 30
+    for p in Path(split, "_work").rglob("*"):
+        if p.is_file():
+            data = p.read_bytes()
+            if p.suffix == ".gz":
+                data = gzip.decompress(data)
+            assert probe not in data, p
+
+
+def test_pieces_cover_every_line_once(tmp_path):
+    lines = [json.dumps({"id": i, "text": "x" * (i % 97 + 1)}) for i in range(3000)]
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    src = SourceConfig("s", [str(path)])
+    for size in (1024, 4099, 65536):
+        pieces = expand_sources([src], size)
+        reader = SourceReader(pieces, {"s": src}, None, 10**6)
+        got = [doc.id for r in range(len(pieces)) for doc in reader.run(rank=r)]
+        assert got == [f"s/{i}" for i in range(3000)], size
+
+
+def test_bad_line_in_a_piece_names_its_byte_offset(tmp_path, small_tokenizer):
+    good = [json.dumps({"text": f"document number {i} " * 20}) for i in range(400)]
+    good[300] = '{"text": "unterminated'
+    path = tmp_path / "b.jsonl"
+    path.write_text("\n".join(good) + "\n")
+    out = _build(tmp_path, "out", [SourceConfig("s", [str(path)], filters=[], id_field=None)], small_tokenizer,
+                 max_task_bytes=8192)
+    offset = sum(len(x) + 1 for x in good[:300])
+    rejects = []
+    for p in sorted(Path(out, "rejects", "read").glob("*.jsonl.gz")):
+        with gzip.open(p, "rt") as f:
+            rejects += [json.loads(line)["metadata"] for line in f]
+    assert len(rejects) == 1 and rejects[0]["offset"] == offset and "malformed JSON" in rejects[0]["filter_reason"]
+    assert read_manifest(out).sources["s"].stats["dropped_read"] == 1
+
+
+def test_parquet_without_the_text_field_fails_before_any_stage(inputs, tmp_path):
+    _, _, parquet = inputs
+    cfg = BuildConfig(output=str(tmp_path / "o"), sources=[SourceConfig("docs", [parquet], text_field="body")])
+    with pytest.raises(KeyError, match="text field 'body' is not a column of .*docs.parquet.*columns: id, text"):
+        Build(cfg)
+    assert not os.path.exists(tmp_path / "o" / "_work" / "logs")

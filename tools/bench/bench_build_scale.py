@@ -1,0 +1,221 @@
+"""`datapipe build` at corpus scale: time per stage, MB/s per core, peak RSS, peak scratch, output bytes.
+
+Builds a generated multi-file JSONL corpus (documents assembled from real sentences of ../shared/corpora,
+with planted exact and near duplicates) at several sizes, FineWeb filters and both dedups on, with this
+checkout and, side by side in the same run, with another git revision (`--base REV`, checked out into a
+temporary worktree and run with its own code). Each build runs as `datapipe build` in a subprocess; a
+sampler thread records the largest resident set of any process of the build and the bytes under the
+work directory every 0.5 s.
+
+    python tools/bench/bench_build_scale.py --sizes-mb 250,1000 --base c4b2b7d [--workers 2] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CORPORA = REPO.parent / "shared" / "corpora"
+
+
+def sentences() -> list[str]:
+    from datapipe.wordtok import tokenize_words
+
+    out = []
+    for name in ("pydoc", "shakespeare", "fortunes"):
+        with gzip.open(CORPORA / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+            for line in f:
+                text = json.loads(line)["text"]
+                for sent in re.split(r"(?<=[.!?])\s+", text):
+                    words = sent.split()
+                    # prose only, as the web text the FineWeb filters keep: no code, no verse layout
+                    if not 8 <= len(words) <= 60 or any(c in sent for c in "`{}<>|=_*#"):
+                        continue
+                    toks = tokenize_words(sent)
+                    if sum(any(c.isalpha() for c in w) for w in toks) >= 0.88 * len(toks):
+                        out.append(" ".join(words))
+    return out
+
+
+def make_corpus(root: Path, total_mb: int, files: int, seed: int = 0) -> int:
+    """`files` JSONL files of ~3 KB documents (paragraphs of random real sentences); 4 % exact copies and
+    4 % near copies (a few words changed) of earlier documents. Returns the bytes written."""
+    rng = random.Random(seed)
+    pool = sentences()
+    root.mkdir(parents=True, exist_ok=True)
+    per_file = total_mb * 1_000_000 // files
+    written, n = 0, 0
+    recent: list[str] = []
+    for k in range(files):
+        with open(root / f"part-{k:04d}.jsonl", "w", encoding="utf-8") as f:
+            size = 0
+            while size < per_file:
+                r = rng.random()
+                if r < 0.04 and recent:
+                    text = rng.choice(recent)
+                elif r < 0.08 and recent:
+                    words = rng.choice(recent).split(" ")
+                    for _ in range(max(1, len(words) // 50)):
+                        words[rng.randrange(len(words))] = rng.choice(("data", "model", "the", "river", "night"))
+                    text = " ".join(words)
+                else:
+                    paras = []
+                    for _ in range(rng.randint(2, 6)):
+                        paras.append(" ".join(rng.choice(pool) for _ in range(rng.randint(3, 8))))
+                    text = "\n\n".join(paras)
+                    recent.append(text)
+                    if len(recent) > 2000:
+                        recent.pop(rng.randrange(len(recent)))
+                line = json.dumps({"id": f"d{n}", "text": text}, ensure_ascii=False) + "\n"
+                f.write(line)
+                size += len(line.encode())
+                n += 1
+            written += size
+    return written
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def run_build(python: str, pythonpath: str, cfg_path: Path, work: Path, workers: int) -> dict:
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    t0 = time.perf_counter()
+    # cwd: `python -m` puts it first on sys.path, before PYTHONPATH and the editable install
+    proc = subprocess.Popen([python, "-m", "datapipe.cli", "build", str(cfg_path), "--workers",
+                             str(workers), "--quiet"], env=env, cwd=pythonpath, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    peak = {"rss": 0, "scratch": 0}
+    stop = threading.Event()
+
+    def sample():
+        root = psutil.Process(proc.pid)
+        while not stop.wait(0.5):
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for p in procs:
+                try:
+                    peak["rss"] = max(peak["rss"], p.memory_info().rss)
+                except psutil.Error:
+                    pass
+            peak["scratch"] = max(peak["scratch"], dir_bytes(str(work)))
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    out, _ = proc.communicate()
+    wall = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    if proc.returncode:
+        raise RuntimeError(f"build failed ({proc.returncode}):\n{out.decode()[-4000:]}")
+    return {"wall_s": wall, "peak_rss": peak["rss"], "peak_scratch": peak["scratch"]}
+
+
+def build_config(corpus: Path, out: Path, work: Path, workers: int) -> dict:
+    return {"output": str(out), "work_dir": str(work),
+            "sources": [{"name": "web", "paths": [str(corpus / "*.jsonl")]}],
+            "tokenizer": {"vocab_size": 8192, "train_max_docs": 20000},
+            "executor": {"workers": workers}}
+
+
+def measure(label: str, python: str, pythonpath: str, corpus: Path, in_bytes: int, tmp: Path, workers: int) -> dict:
+    import yaml
+
+    out, work = tmp / f"out-{label}", tmp / f"work-{label}"
+    for p in (out, work):
+        shutil.rmtree(p, ignore_errors=True)
+    cfg_path = tmp / f"{label}.yaml"
+    cfg_path.write_text(yaml.safe_dump(build_config(corpus, out, work, workers)))
+    res = run_build(python, pythonpath, cfg_path, work, workers)
+    report = json.loads((out / "build_report.json").read_text())
+    out_bytes = dir_bytes(str(out)) - dir_bytes(str(out / "rejects"))
+    res.update(stages=report["elapsed_s"], out_bytes=out_bytes, in_bytes=in_bytes,
+               mb_s_core=in_bytes / 1e6 / res["wall_s"] / workers,
+               tokens=json.loads((out / "manifest.json").read_text())["build_stats"].get("tokens"))
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def base_checkout(rev: str, tmp: Path) -> Path:
+    path = tmp / f"base-{rev}"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(path), rev], check=True,
+                   capture_output=True)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes-mb", default="250,1000")
+    ap.add_argument("--files", type=int, default=16)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--base", default=None, help="git revision to measure side by side (today's code)")
+    ap.add_argument("--tmp", default=None, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    tmp = Path(args.tmp or tempfile.mkdtemp(prefix="bench-scale-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    base = base_checkout(args.base, tmp) if args.base else None
+    rows = []
+    try:
+        for mb in [int(x) for x in args.sizes_mb.split(",")]:
+            corpus = tmp / f"corpus-{mb}"
+            shutil.rmtree(corpus, ignore_errors=True)
+            in_bytes = make_corpus(corpus, mb, args.files)
+            runs = [("this", str(REPO))] + ([(f"base {args.base}", str(base))] if base else [])
+            for label, path in runs:
+                print(f"[{mb} MB] {label} ...", flush=True)
+                res = measure(label.split()[0], sys.executable, path, corpus, in_bytes, tmp, args.workers)
+                res.update(size_mb=mb, code=label)
+                rows.append(res)
+                print(json.dumps(res), flush=True)
+            shutil.rmtree(corpus, ignore_errors=True)
+    finally:
+        if base:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], capture_output=True)
+    if not args.no_write:
+        write_section(rows, args)
+
+
+def write_section(rows: list[dict], args) -> None:
+    cmd = " ".join(["python tools/bench/bench_build_scale.py", *sys.argv[1:]])
+    lines = [f"\n## datapipe build at scale ({datetime.date.today()})\n", f"Command: `{cmd}`  ",
+             f"Machine: {os.cpu_count()} cores, {platform.platform()}; {args.files} input files, "
+             f"{args.workers} workers, FineWeb filters, exact + MinHash dedup, BPE 8k trained on 20k docs.\n",
+             "| size | code | wall s | MB/s per core | peak RSS (largest process) MB | peak scratch / input | "
+             "output / input | stages (s) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        st = ", ".join(f"{k} {v:.1f}" for k, v in r["stages"].items())
+        lines.append(f"| {r['size_mb']} MB | {r['code']} | {r['wall_s']:.1f} | {r['mb_s_core']:.2f} | "
+                     f"{r['peak_rss'] / 2**20:.0f} | {r['peak_scratch'] / r['in_bytes']:.2f} | "
+                     f"{r['out_bytes'] / r['in_bytes']:.2f} | {st} |")
+    with open(REPO / "docs" / "benchmarks.md", "a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
