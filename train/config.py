@@ -177,6 +177,7 @@ class TrainConfig:
     epochs: float | None = None      # sft / dpo: passes over the dataset; sets steps (schedules span them)
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # bf16: bf16 weights/activations, fp32 master + grads; fp8: bf16 + FP8 GEMMs via Transformer Engine (GPU >= sm89)
     init: str | None = None          # start from this checkpoint's weights (fresh optimizer/schedule/data, step 0; model shape from it); resume wins
+    init_keep_optimizer: bool = False  # with init (a new stage): also load its optimizer state (AdamW moments, step); schedule, data and step still start fresh
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)

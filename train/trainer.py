@@ -220,6 +220,12 @@ class Trainer:
         if self.ckpt is not None and self.ckpt.resume(st):
             self.spikes.load_state_dict(st.extra.get("spike", {}))
             self.sinks.event(st.step, "resume", f"resumed at step {st.step}")
+        elif cfg.init and cfg.init_keep_optimizer:  # a new stage keeping the optimizer state (resume wins)
+            from train.checkpoint.resume import load_model_and_optimizer
+
+            load_model_and_optimizer(st, cfg.init, cfg.checkpoint.distrib_optim_sharding_type)
+            self.sinks.event(st.step, "init", f"weights and optimizer state from {cfg.init} (fresh schedule, "
+                                              "data, step 0)")
         elif cfg.init:  # weights only, and only when there is nothing to resume (resume wins)
             from train.checkpoint.init_from import load_weights
 
@@ -318,10 +324,16 @@ def _document_settings(cfg: TrainConfig, model: list) -> dict:
 def _checkpoint_manager(cfg: TrainConfig, run_dir: Path):
     """train.checkpoint's manager; the manifest records the resolved model config (for HF export)."""
     from train.checkpoint import CheckpointManager
+    from train.checkpoint.init_from import stage_history
 
-    # precision of the stored weights (fp8 trains bf16 weights): what init, eval and merge read
+    # precision of the stored weights (fp8 trains bf16 weights): what init, eval and merge read; optimizer:
+    # its kind (what --keep-optimizer checks); stages: the history of the chain of runs this one ends
+    p = cfg.parallel
     meta = {"model": cfgmod.to_plain(cfg.model.resolved()), "precision": "bf16" if cfg.bf16_weights() else "fp32",
-            "seq_len": cfg.data.seq_len, "padded_vocab_size": cfg.model.padded_vocab_size(cfg.parallel.tp)}
+            "seq_len": cfg.data.seq_len, "padded_vocab_size": cfg.model.padded_vocab_size(cfg.parallel.tp),
+            "optimizer": {"distributed": p.distributed_optimizer, "sharding_type":
+                          cfg.checkpoint.distrib_optim_sharding_type if p.distributed_optimizer else None},
+            "stages": stage_history(cfg)}
     if cfg.data.dataset and not cfg.debug.synthetic_data:  # lets `train ckpt export` ship the tokenizer
         from storage import fs
         from storage.manifest import read_manifest

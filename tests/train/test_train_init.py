@@ -1,6 +1,8 @@
 """`train launch --init CHECKPOINT` through real torchrun/gloo runs: a run started from a TP2 checkpoint
 runs at TP1 (resharded on load) from step 0 with a fresh optimizer and schedule and exactly the
-checkpoint's weights; a relaunch of that run resumes from its own checkpoint instead of re-initialising."""
+checkpoint's weights; a relaunch of that run resumes from its own checkpoint instead of re-initialising.
+A new stage (`--keep-optimizer`, longer seq_len, raised RoPE theta and max_position_embeddings) keeps the
+checkpoint's optimizer state (resharded TP2 -> TP1), starts its data at sequence 0 and records both stages."""
 from __future__ import annotations
 
 import json
@@ -42,6 +44,54 @@ def _events(run_dir) -> list[dict]:
     return [r for r in map(json.loads, lines) if "event" in r]
 
 
+def _optimizer_tensors(ckpt) -> dict:
+    """Whole optimizer state tensors (exp_avg, exp_avg_sq, ...) of a raw full checkpoint, by global key."""
+    from train.checkpoint.incremental import RAW_DIR, PieceSet
+
+    pieces, out = PieceSet(str(ckpt), RAW_DIR), {}
+    for key in pieces.keys():
+        if key.startswith("optimizer"):
+            e = pieces.entries(key)[0]
+            out[key] = torch.empty(e["global_shape"], dtype=getattr(torch, e["dtype"]))
+            pieces.apply(key, (0,) * out[key].dim(), out[key])
+    return out
+
+
+def _stages(ckpt) -> list[dict]:
+    return json.loads((ckpt / "manifest.json").read_text())["meta"]["stages"]
+
+
+def _check_resolve(tmp_path, src_ckpt):
+    """In process, before torchrun: stage keys may change, shapes may not; --keep-optimizer checks."""
+    from storage import config as cfgmod
+    from storage.config import ConfigError
+    from train.checkpoint.init_from import resolve
+    from train.config import TrainConfig
+
+    def cfg(**over):
+        c = cfgmod.load(TrainConfig, _config(tmp_path, tmp_path / "probe", {"preset": "tiny", "hidden_size": 128,
+                                                                             "rope_theta": 1e6}, **over))
+        c.init = str(src_ckpt)
+        return c
+
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg())
+    assert "model.hidden_size" in str(e.value) and "rope_theta" not in str(e.value)
+    with pytest.raises(ConfigError, match="precision"):
+        c = cfg(precision="bf16", init_keep_optimizer=True)
+        c.model.hidden_size = None
+        resolve(c)
+    with pytest.raises(ConfigError, match="distributed_optimizer"):
+        c = cfg(init_keep_optimizer=True, parallel={"distributed_optimizer": True, "micro_batch_size": 2,
+                                                    "global_batch_size": 2})
+        c.model.hidden_size = None
+        resolve(c)
+    with pytest.raises(ConfigError, match="init_keep_optimizer"):
+        c = cfg(init_keep_optimizer=True)
+        c.init = None
+        resolve(c)
+
+
 def test_init_from_tp2_checkpoint_at_tp1_then_resume_wins(tmp_path):
     from train.checkpoint.export_hf import load_model_tensors
 
@@ -71,6 +121,10 @@ def test_init_from_tp2_checkpoint_at_tp1_then_resume_wins(tmp_path):
     for k in want:
         assert torch.equal(got[k], want[k]), k
     assert recs[0]["lr"] == metric_records(src)[0]["lr"]  # a fresh schedule (warmup step 0), not the source's
+    # without --keep-optimizer the optimizer starts fresh: nothing stored after the skipped first step
+    assert not any(t.any() for t in _optimizer_tensors(run / "checkpoints" / "step_00000001").values())
+    assert [(s["stage"], s["init"], s["kept_optimizer"]) for s in _stages(run / "checkpoints" / "step_00000001")] \
+        == [(0, None, False), (1, str(src_ckpt), False)]
 
     # relaunch: the run has checkpoints, so it resumes at step 2 and does not load --init again
     _launch([cfg, "--nproc", "1", "--init", str(src), "--set", "stop_at=3"], tmp_path / "sft2.log")
@@ -79,3 +133,37 @@ def test_init_from_tp2_checkpoint_at_tp1_then_resume_wins(tmp_path):
     assert [r["step"] for r in metric_records(run)] == [1, 2, 3]
     diverged, _ = load_model_tensors(str(run / "checkpoints" / "step_00000003"))
     assert any(not torch.equal(diverged[k], want[k]) for k in want)  # it trained on from its own state
+
+    # A new stage: seq_len 32 -> 64, RoPE theta 10k -> 40k, max_position_embeddings 1024 -> 2048, a weight
+    # decay of its own, keeping the optimizer state (saved at TP2, loaded at TP1). Step 0 is skipped again.
+    _check_resolve(tmp_path, src_ckpt)
+    stage = tmp_path / "stage"
+    model = {"preset": "tiny", "rope_theta": 40000.0, "max_position_embeddings": 2048}
+    cfg = _config(tmp_path, stage, model, data={"seq_len": 64, "seed": 7},
+                  optim={"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 1, "weight_decay": 0.0},
+                  debug={"synthetic_data": True, "inject_nan_step": 0})
+    _launch([cfg, "--nproc", "1", "--init", str(src), "--keep-optimizer"], tmp_path / "stage.log")
+    resolved = yaml.safe_load((stage / "config.yaml").read_text())
+    assert resolved["init_keep_optimizer"] is True and resolved["model"]["rope_theta"] == 40000.0
+    first = stage / "checkpoints" / "step_00000001"
+    meta = json.loads((first / "manifest.json").read_text())["meta"]
+    assert (meta["model"]["rope_theta"], meta["model"]["max_position_embeddings"]) == (40000.0, 2048)
+    # (a) the optimizer state at step 0 of the stage is the checkpoint's, every tensor
+    want, got = _optimizer_tensors(src_ckpt), _optimizer_tensors(first)
+    assert sorted(got) == sorted(want) and any("exp_avg_sq" in k for k in want)
+    for k in want:
+        assert want[k].any() and torch.equal(got[k], want[k]), k
+    common = torch.load(first / "common.pt", weights_only=False)["optimizer"]
+    assert int(common["state"]["common_step"]) == 2  # AdamW's step carried on (bias correction)
+    assert {g["weight_decay"] for g in common["param_groups"]} == {0.0}  # the stage's hyper-parameters
+    # (c) a fresh loader: step 1 consumed the first global batch of the new order (as a fresh run's)
+    ts = torch.load(first / "train_state.pt", weights_only=False)
+    assert ts["loader"] == {"consumed": 2, "seed": 7, "seq_len": 64} and ts["step"] == 1
+    recs = metric_records(stage)
+    assert [r["step"] for r in recs] == [1, 2] and recs[0]["consumed_tokens"] == 2 * 64
+    assert recs[0]["lr"] == metric_records(src)[0]["lr"] and recs[1]["loss"] == recs[1]["loss"]
+    # (d) the history lists both stages
+    hist = _stages(stage / "checkpoints" / "step_00000002")
+    assert [(h["stage"], h["init"], h["init_step"], h["seq_len"], h["rope_theta"], h["kept_optimizer"])
+            for h in hist] == [(0, None, None, 32, 10000.0, False), (1, str(src_ckpt), 2, 64, 40000.0, True)]
+    assert hist[1]["dataset"] == "synthetic" and hist[1]["max_position_embeddings"] == 2048
