@@ -70,7 +70,7 @@ class ParallelConfig:
 class OptimConfig:
     lr: float = 3e-4                 # peak learning rate (after warmup)
     min_lr: float = 3e-5             # final learning rate of the cosine / WSD decay
-    weight_decay: float = 0.1        # not applied to norms (megatron's default param groups)
+    weight_decay: float = 0.1        # AdamW, decoupled; not applied to norm weights and biases (megatron's wd_mult 0)
     beta1: float = 0.9               # AdamW beta1
     beta2: float = 0.95              # AdamW beta2
     eps: float = 1e-8                # AdamW epsilon

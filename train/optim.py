@@ -47,7 +47,11 @@ def lr_at(step: int, o: OptimConfig, total_steps: int) -> float:
 
 
 class LRScheduler:
-    """Sets the LR of every param group for the coming step; state is the step count."""
+    """Sets the LR and weight decay of every param group for the coming step; state is the step count.
+
+    Weight decay is optim.weight_decay × the group's `wd_mult`, as megatron's OptimizerParamScheduler sets
+    it: megatron's param groups give norm weights and biases (1-D parameters) wd_mult 0, but the torch
+    optimizer reads only `weight_decay`, which they are built with at the full value."""
 
     def __init__(self, optimizer, o: OptimConfig, total_steps: int):
         self.optimizer, self.o, self.total_steps = optimizer, o, total_steps
@@ -58,6 +62,7 @@ class LRScheduler:
         self.lr = lr_at(self.step_count, self.o, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.o.weight_decay * group.get("wd_mult", 1.0)
         return self.lr
 
     def step(self) -> None:

@@ -79,6 +79,33 @@ def test_wsd_schedule():
     assert lr_at(5, OptimConfig(lr=2.0, schedule="constant", warmup_steps=0), total) == 2.0
 
 
+def test_no_weight_decay_on_norms_and_biases(tmp_path):
+    """One AdamW step on zero gradients moves a parameter only through weight decay: the matrices shrink by
+    lr × weight_decay, the RMSNorm weights (1-D, megatron's wd_mult 0 group) stay as they are."""
+    import torch
+
+    from testutil import megatron_one_rank
+    from train.models import build_model
+    from train.optim import LRScheduler, build_optimizer, clip_and_step, grad_norm
+    from train.parallel import wrap_ddp
+
+    c = cfg(model={"preset": "tiny", "hidden_size": 64, "num_layers": 1, "ffn_hidden_size": 96},
+            optim={"lr": 0.5, "weight_decay": 0.1, "warmup_steps": 0, "schedule": "constant"})
+    with megatron_one_rank(tmp_path):
+        model = wrap_ddp(c, build_model(c.model, seed=1))
+        opt = build_optimizer(c, model)
+        before = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+        model[0].zero_grad_buffer()
+        LRScheduler(opt, c.optim, c.steps).apply()
+        clip_and_step(opt, grad_norm(opt), c.optim.clip_grad)
+        after = dict(model[0].named_parameters())
+    norms = [n for n in before if before[n].dim() == 1]
+    assert norms and all("norm" in n for n in norms)
+    for n, w in before.items():
+        want = w if w.dim() == 1 else w * (1 - 0.5 * 0.1)
+        assert torch.allclose(after[n].detach(), want, rtol=0, atol=1e-7), n
+
+
 def test_spike_detector():
     d = SpikeDetector(SpikeConfig(window=50, zscore=4.0, min_history=10))
     for i in range(9):
