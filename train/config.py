@@ -4,7 +4,8 @@ Sections: model (train.models.ModelConfig), parallel, data (storage.loader's Loa
 monitor, alerts, launch (torchrun / Slurm), checkpoint (train.checkpoint CheckpointConfig), eval
 (train.eval.config.EvalConfig), debug.
 Errors name the key (`parallel.tp`, `data.seq_len`, ...). Checks that need the world size
-(world = TP × PP × DP, batch divisibility) are in `check_world`, run by `train launch` before torchrun.
+(world = TP × PP × DP, batch divisibility: `check_layout`; plus the fp8 hardware check: `check_world`) run
+in `train launch` before torchrun.
 """
 from __future__ import annotations
 
@@ -235,6 +236,11 @@ class TrainConfig:
         """Checks for a given number of processes on this machine; `train launch` runs them before starting
         torchrun (and every process again at start). Includes the fp8 hardware check."""
         self.check_precision()
+        self.check_layout(world)
+
+    def check_layout(self, world: int) -> None:
+        """The TP × PP × DP layout and batch divisibility for `world` processes, on any machine (`train
+        estimate` sizes GPU runs anywhere)."""
         p = self.parallel
         if world % (p.tp * p.pp):
             raise ConfigError(f"key 'parallel.tp': world size {world} is not divisible by tp × pp = "

@@ -262,6 +262,10 @@ def test_estimate_1_7b_bf16():
     assert e["tokens_per_s_per_gpu"] == pytest.approx(0.45 * h100 / fpt, rel=1e-4)
     other = estimate(c, world=1, mfu=0.3, peak=312e12)
     assert other["tokens_per_s_per_gpu"] == pytest.approx(0.3 * 312e12 / fpt)
+    # fp8 (sized on any machine, no GPU check): bf16 weights and activations, the bf16 peak
+    fp8 = estimate(cfg(model={"preset": "1.7b"}, precision="fp8", data={"seq_len": 4096},
+                       parallel={"micro_batch_size": 4, "global_batch_size": 64}), world=1)
+    assert fp8["memory_gib"] == e["memory_gib"] and fp8["tokens_per_s_per_gpu"] == e["tokens_per_s_per_gpu"]
 
 
 def test_torchrun_and_sbatch_commands(tmp_path):
