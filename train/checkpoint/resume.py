@@ -103,9 +103,8 @@ def load_model_and_optimizer(state: TrainState, path: str, sharding_type: str) -
             "--keep-optimizer (init_keep_optimizer: false) for weights only") from e
     # torch's load_state_dict replaces the param group dicts with the checkpoint's: put this run's values back
     new = [g for opt in state_io.inner_optimizers(state.optimizer) for g in opt.optimizer.param_groups]
-    if len(new) == len(groups):
-        for g, hp in zip(new, groups):
-            g.update(hp)
+    for g, hp in zip(new, groups, strict=True):
+        g.update(hp)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if rank == 0:
         log.info("new stage from checkpoint %s (step %d): weights and optimizer state", path, m["step"])
