@@ -17,6 +17,8 @@ is the step count, and the schedule is the step schedule exactly.
 """
 from __future__ import annotations
 
+import torch
+
 from train.config import ParallelConfig
 
 
@@ -32,7 +34,9 @@ class BatchSizes:
             from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
 
             self._calc = RampupBatchsizeNumMicroBatchesCalculator(
-                self.full, p.micro_batch_size, dp, False, rank, r.start, r.increment, r.over_tokens // seq_len)
+                global_batch_size=self.full, micro_batch_size=p.micro_batch_size, data_parallel_size=dp,
+                decrease_batch_size_if_needed=False, rank=rank, start_global_batch_size=r.start,
+                batch_size_increment=r.increment, ramup_samples=r.over_tokens // seq_len)
 
     @property
     def ramping(self) -> bool:
@@ -49,8 +53,6 @@ class BatchSizes:
         """This rank's rows of the next global batch of `gbs` sequences from `loader` (train.data's)."""
         if self._calc is None:
             return next(loader)
-        import torch
-
         return torch.cat([next(loader) for _ in range(gbs // self.unit)])
 
     def total(self, steps: int) -> int:
