@@ -50,6 +50,9 @@ def _convert(value: Any, tp: Any, key: str, where: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]) and isinstance(value, dict):
+            return _build(inner[0], value, where, key + ".")  # an optional section: its errors name their key
         for arg in args:
             if arg is type(None):
                 continue

@@ -55,6 +55,12 @@ def _list_item(tp: Any) -> type | None:
     return None
 
 
+def _optional_section(tp: Any) -> type | None:
+    """The dataclass of an `X` or `X | None` field (a section, or one that may be null), else None."""
+    args = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (Union, types.UnionType) else [tp]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
+
 def _rows(cls: type, prefix: str, seen: set) -> list[str]:
     rows = []
     hints = get_type_hints(cls)
@@ -64,8 +70,9 @@ def _rows(cls: type, prefix: str, seen: set) -> list[str]:
         doc = (f.metadata.get("help", "") if f.metadata else "") or comments.get(f.name, "")
         doc = doc.replace("|", "\\|")
         rows.append(f"| `{prefix}{f.name}` | {_type_name(tp)} | {_default(f)} | {doc} |")
-        if dataclasses.is_dataclass(tp) and tp not in seen:
-            rows += _rows(tp, f"{prefix}{f.name}.", seen | {tp})
+        section = _optional_section(tp)
+        if section is not None and section not in seen:
+            rows += _rows(section, f"{prefix}{f.name}.", seen | {section})
         item = _list_item(tp)
         if item is not None and item not in seen:  # list of sections: keys of each item, e.g. sources.*.name
             rows += _rows(item, f"{prefix}{f.name}.*.", seen | {item})

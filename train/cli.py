@@ -32,14 +32,22 @@ def main() -> None:
               help="Start from this checkpoint's weights (a step_… folder, or a run dir / checkpoints folder: its "
               "newest): fresh optimizer, LR schedule and data, step 0; any TP/PP (resharded on load). Null model "
               "shape keys are taken from it, set ones must match it. Sets the config key `init`. If RUN_DIR "
-              "already has a checkpoint, the run resumes from that instead (a restarted run continues).")
-def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoint, slurm, submit, dry_run, init):
+              "already has a checkpoint, the run resumes from that instead (a restarted run continues). "
+              "model.rope_theta and model.max_position_embeddings may differ from it (a new stage).")
+@click.option("--keep-optimizer", "keep_optimizer", is_flag=True,
+              help="With --init: also load the checkpoint's optimizer state (AdamW moments and step; any TP/PP/DP, "
+              "same precision and optimizer kind); the LR schedule, data order and step still start fresh. Sets "
+              "the config key `init_keep_optimizer`.")
+def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoint, slurm, submit, dry_run, init,
+           keep_optimizer):
     """Validate CONFIG and train: starts torchrun itself (one process per GPU, or --nproc on CPU).
     Auto-resume: a run whose RUN_DIR has a checkpoint continues from the newest one that verifies."""
     from train import launch as launcher
 
     if init:
         cfg.init = init
+    if keep_optimizer:
+        cfg.init_keep_optimizer = True
     if rdzv_endpoint:
         cfg.launch.rdzv_endpoint = rdzv_endpoint
     try:

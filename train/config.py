@@ -4,7 +4,8 @@ Sections: model (train.models.ModelConfig), parallel, data (storage.loader's Loa
 monitor, alerts, launch (torchrun / Slurm), checkpoint (train.checkpoint CheckpointConfig), eval
 (train.eval.config.EvalConfig), debug.
 Errors name the key (`parallel.tp`, `data.seq_len`, ...). Checks that need the world size
-(world = TP × PP × DP, batch divisibility) are in `check_world`, run by `train launch` before torchrun.
+(world = TP × PP × DP, batch divisibility: `check_layout`; plus the fp8 hardware check: `check_world`) run
+in `train launch` before torchrun.
 """
 from __future__ import annotations
 
@@ -42,11 +43,27 @@ class DataConfig(LoaderConfig):
 
 
 @dataclass
+class BatchRampup:
+    """Megatron-LM's --rampup-batch-size (train.rampup): the global batch starts at `start` sequences and
+    grows by `increment` in equal steps of tokens consumed until, after `over_tokens`, it is
+    parallel.global_batch_size."""
+    start: int                       # global batch (sequences) of the first steps
+    increment: int                   # sequences added at each ramp step
+    over_tokens: int                 # tokens consumed over which the batch ramps up to parallel.global_batch_size
+
+    def validate(self) -> None:
+        for k in ("start", "increment", "over_tokens"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"key 'parallel.batch_rampup.{k}': must be >= 1, got {getattr(self, k)}")
+
+
+@dataclass
 class ParallelConfig:
     tp: int = 1                      # tensor parallel size
     pp: int = 1                      # pipeline parallel size; DP = world / (TP × PP)
     micro_batch_size: int = 1        # sequences per micro-batch per DP rank
-    global_batch_size: int = 8       # sequences per optimizer step over all DP ranks
+    global_batch_size: int = 8       # sequences per optimizer step over all DP ranks (after any ramp-up)
+    batch_rampup: BatchRampup | None = None  # {start, increment, over_tokens}: ramp the global batch up; null: off
     distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1)
     overlap_grad_reduce: bool = False
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, else gloo
@@ -58,6 +75,14 @@ class ParallelConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ConfigError(f"key 'parallel.global_batch_size': {self.global_batch_size} is not a multiple of "
                               f"parallel.micro_batch_size {self.micro_batch_size}")
+        r = self.batch_rampup
+        if r is not None:
+            if r.start >= self.global_batch_size:
+                raise ConfigError(f"key 'parallel.batch_rampup.start': {r.start} must be below "
+                                  f"parallel.global_batch_size {self.global_batch_size}")
+            if (self.global_batch_size - r.start) % r.increment:
+                raise ConfigError(f"key 'parallel.batch_rampup.increment': {r.increment} does not divide "
+                                  f"parallel.global_batch_size - start = {self.global_batch_size - r.start}")
 
     def dp(self, world: int) -> int:
         return world // (self.tp * self.pp)
@@ -70,7 +95,7 @@ class ParallelConfig:
 class OptimConfig:
     lr: float = 3e-4                 # peak learning rate (after warmup)
     min_lr: float = 3e-5             # final learning rate of the cosine / WSD decay
-    weight_decay: float = 0.1        # not applied to norms (megatron's default param groups)
+    weight_decay: float = 0.1        # AdamW, decoupled; not applied to norm weights and biases (megatron's wd_mult 0)
     beta1: float = 0.9               # AdamW beta1
     beta2: float = 0.95              # AdamW beta2
     eps: float = 1e-8                # AdamW epsilon
@@ -177,6 +202,7 @@ class TrainConfig:
     epochs: float | None = None      # sft / dpo: passes over the dataset; sets steps (schedules span them)
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # bf16: bf16 weights/activations, fp32 master + grads; fp8: bf16 + FP8 GEMMs via Transformer Engine (GPU >= sm89)
     init: str | None = None          # start from this checkpoint's weights (fresh optimizer/schedule/data, step 0; model shape from it); resume wins
+    init_keep_optimizer: bool = False  # with init (a new stage): also load its optimizer state (AdamW moments, step); schedule, data and step still start fresh
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -209,6 +235,13 @@ class TrainConfig:
             raise ConfigError("key 'data.document_masking': synthetic data has no documents")
         if self.objective != "pretrain" and self.debug.synthetic_data:
             raise ConfigError(f"key 'objective': {self.objective} needs a dataset (debug.synthetic_data has none)")
+        r = self.parallel.batch_rampup
+        if r is not None and self.objective != "pretrain":
+            raise ConfigError(f"key 'parallel.batch_rampup': pretraining only (objective {self.objective} has "
+                              "rows of packed conversations or pairs, cut per batch)")
+        if r is not None and r.over_tokens < self.data.seq_len:
+            raise ConfigError(f"key 'parallel.batch_rampup.over_tokens': {r.over_tokens} is less than one "
+                              f"sequence (data.seq_len {self.data.seq_len})")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ConfigError(f"key 'stop_at': must be between 1 and steps ({self.steps}), got {self.stop_at}")
         m, p = self.model.resolved(), self.parallel
@@ -234,6 +267,11 @@ class TrainConfig:
         """Checks for a given number of processes on this machine; `train launch` runs them before starting
         torchrun (and every process again at start). Includes the fp8 hardware check."""
         self.check_precision()
+        self.check_layout(world)
+
+    def check_layout(self, world: int) -> None:
+        """The TP × PP × DP layout and batch divisibility for `world` processes, on any machine (`train
+        estimate` sizes GPU runs anywhere)."""
         p = self.parallel
         if world % (p.tp * p.pp):
             raise ConfigError(f"key 'parallel.tp': world size {world} is not divisible by tp × pp = "
@@ -242,6 +280,11 @@ class TrainConfig:
         if p.global_batch_size % (p.micro_batch_size * dp):
             raise ConfigError(f"key 'parallel.global_batch_size': {p.global_batch_size} is not divisible by "
                               f"micro_batch_size × dp = {p.micro_batch_size} × {dp}")
+        for k in ("start", "increment") if p.batch_rampup else ():
+            if getattr(p.batch_rampup, k) % (p.micro_batch_size * dp):
+                raise ConfigError(f"key 'parallel.batch_rampup.{k}': {getattr(p.batch_rampup, k)} is not divisible "
+                                  f"by micro_batch_size × dp = {p.micro_batch_size} × {dp} (every step's batch "
+                                  "must be whole micro-batches on every DP rank)")
 
     def check_precision(self) -> None:
         """precision fp8 needs Transformer Engine and CUDA GPUs of compute capability >= 8.9 here."""

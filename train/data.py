@@ -54,10 +54,13 @@ class SyntheticLoader:
 
 
 def make_loader(cfg: TrainConfig, par):
-    """This rank's loader for its DP slice of every global batch."""
+    """This rank's loader for its DP slice of every global batch; under a batch ramp-up, of every unit of
+    micro_batch_size × DP sequences, a step taking as many units as its batch needs (train.rampup)."""
+    p = cfg.parallel
+    gbs = p.micro_batch_size * par.dp if p.batch_rampup else p.global_batch_size
     if cfg.debug.synthetic_data:
-        return SyntheticLoader(cfg.model.resolved().vocab_size, cfg.data.seq_len, cfg.parallel.global_batch_size,
-                               cfg.data.seed, par.dp_rank, par.dp)
+        return SyntheticLoader(cfg.model.resolved().vocab_size, cfg.data.seq_len, gbs, cfg.data.seed, par.dp_rank,
+                               par.dp)
     if cfg.objective == "dpo":
         from storage.loader.pairs import PairLoader
 
@@ -75,5 +78,4 @@ def make_loader(cfg: TrainConfig, par):
     mix = [Phase("stage", dict(lcfg.mix), 1)] if lcfg.mix else None
     if par.device.type == "cuda" and lcfg.device == "cpu":
         lcfg = dataclasses.replace(lcfg, device=str(par.device))  # pinned memory + side stream
-    return TokenLoader(lcfg, global_batch_size=cfg.parallel.global_batch_size, dp_rank=par.dp_rank,
-                       dp_size=par.dp, mix=mix)
+    return TokenLoader(lcfg, global_batch_size=gbs, dp_rank=par.dp_rank, dp_size=par.dp, mix=mix)

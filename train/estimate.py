@@ -3,7 +3,9 @@
 Memory per GPU (the busiest pipeline stage, the first: its layers plus the embedding):
 - weights + grads + optimizer: bytes per parameter as megatron keeps them — bf16: 2 (bf16 weights)
   + 4 (fp32 grad buffer) + 12 (fp32 master, Adam m, v); fp32: 4 + 4 + 8. The distributed optimizer
-  divides the optimizer part (and the master copy) by DP.
+  divides the optimizer part (and the master copy) by DP. fp8 counts as bf16 everywhere: its weights are
+  bf16 (Transformer Engine casts to FP8 inside its GEMMs), activations are sized as bf16, and tokens/s use
+  the bf16 peak (no FP8 GEMM speed-up is assumed: none has been measured here).
 - activations: Korthikanti et al. 2022 (eq. 2, no sequence parallel) per layer and micro-batch,
   s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes in 16-bit; the attention-score term is dropped with a fused
   (flash) attention kernel (Transformer Engine); fp32 doubles it. 1F1B keeps min(PP, micro-batches)
@@ -29,12 +31,12 @@ from train.models import num_parameters
 
 def estimate(cfg: TrainConfig, world: int, flash_attention: bool = True, mfu: float = 0.45,
              peak: float | None = None) -> dict:
-    cfg.check_world(world)
+    cfg.check_layout(world)  # not the fp8 hardware check: a GPU run is sized anywhere
     m, p = cfg.model.resolved(), cfg.parallel
     t, pp, dp = p.tp, p.pp, p.dp(world)
     n = num_parameters(cfg.model)
     params_gpu = (m.num_layers // pp) * n["per_layer"] / t + cfg.model.padded_vocab_size(t) * m.hidden_size / t
-    bf16 = cfg.precision == "bf16"
+    bf16 = cfg.bf16_weights()
     w_b, g_b, o_b = (2, 4, 12) if bf16 else (4, 4, 8)
     if p.distributed_optimizer:
         o_b = o_b / dp
@@ -75,9 +77,11 @@ def format_estimate(e: dict, cfg: TrainConfig) -> str:
         f"FLOPs/token  {e['flops_per_token'] / 1e9:,.2f} GFLOP (training, incl. attention)",
         f"memory/GPU   {e['memory_total_gib']:,.2f} GiB = weights {mem['weights']:.2f} + grads {mem['grads']:.2f}"
         f" + optimizer {mem['optimizer']:.2f} + activations {mem['activations']:.2f} + logits {mem['logits']:.2f}"
-        f" ({cfg.precision}{', distributed optimizer' if cfg.parallel.distributed_optimizer else ''})",
+        f" ({cfg.precision}{' as bf16' if cfg.precision == 'fp8' else ''}"
+        f"{', distributed optimizer' if cfg.parallel.distributed_optimizer else ''})",
         f"throughput   {e['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {e['tokens_per_s']:,.0f} total, "
-        f"{e['step_time_s']:.2f} s/step at MFU {100 * e['mfu']:.0f}% of {e['peak_flops'] / 1e12:,.0f} TFLOP/s",
+        f"{e['step_time_s']:.2f} s/step at MFU {100 * e['mfu']:.0f}% of {e['peak_flops'] / 1e12:,.0f} TFLOP/s"
+        + (" (the bf16 peak: no FP8 speed-up assumed)" if cfg.precision == "fp8" else ""),
     ]
     if e["recompute"] != "none":
         what = (f"full, {e['recompute_layers_per_stage']} layers per stage" if e["recompute"] == "full"

@@ -27,11 +27,12 @@ def build_optimizer(cfg: TrainConfig, model_chunks: list):
     return get_megatron_optimizer(ocfg, model_chunks)
 
 
-def lr_at(step: int, o: OptimConfig, total_steps: int) -> float:
-    """LR for optimizer step `step` (0-based): linear warmup, then cosine to min_lr, WSD (constant, then
-    linear decay to min_lr over the last decay_fraction of steps), or constant."""
-    if o.warmup_steps and step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
+def lr_at(step: float, o: OptimConfig, total_steps: float) -> float:
+    """LR for optimizer step `step` (0-based; a fraction of a step under a batch ramp-up, train.rampup):
+    linear warmup, then cosine to min_lr, WSD (constant, then linear decay to min_lr over the last
+    decay_fraction of steps), or constant."""
+    if o.warmup_steps and step < o.warmup_steps:  # a fractional step may end past the warmup: lr then
+        return o.lr * (step + 1) / o.warmup_steps if step + 1 <= o.warmup_steps else o.lr
     if o.schedule == "constant":
         return o.lr
     if o.schedule == "cosine":
@@ -47,27 +48,40 @@ def lr_at(step: int, o: OptimConfig, total_steps: int) -> float:
 
 
 class LRScheduler:
-    """Sets the LR of every param group for the coming step; state is the step count."""
+    """Sets the LR and weight decay of every param group for the coming step; state is the count of
+    accepted steps and the sequences they consumed.
 
-    def __init__(self, optimizer, o: OptimConfig, total_steps: int):
-        self.optimizer, self.o, self.total_steps = optimizer, o, total_steps
-        self.step_count = 0
-        self.lr = lr_at(0, o, total_steps)
+    Weight decay is optim.weight_decay × the group's `wd_mult`, as megatron's OptimizerParamScheduler sets
+    it: megatron's param groups give norm weights and biases (1-D parameters) wd_mult 0, but the torch
+    optimizer reads only `weight_decay`, which they are built with at the full value.
+    With a batch ramp-up (`batches`, train.rampup.BatchSizes) the schedule runs on sequences."""
 
-    def apply(self) -> float:
-        self.lr = lr_at(self.step_count, self.o, self.total_steps)
+    def __init__(self, optimizer, o: OptimConfig, total_steps: int, batches=None):
+        self.optimizer, self.o = optimizer, o
+        self.batches = batches if batches is not None and batches.ramping else None
+        self.total = total_steps if self.batches is None else self.batches.total(total_steps) / self.batches.full
+        self.step_count = self.sequences = 0
+
+    def apply(self, batch: int) -> float:
+        """Set and return the LR of the coming step, whose global batch is `batch` sequences."""
+        pos = self.step_count if self.batches is None else (self.sequences + batch) / self.batches.full - 1
+        lr = lr_at(pos, self.o, self.total)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr * group.get("lr_mult", 1.0)
-        return self.lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.o.weight_decay * group.get("wd_mult", 1.0)
+        return lr
 
-    def step(self) -> None:
+    def step(self, batch: int) -> None:
+        """The coming step's update was applied (a skipped step does not advance the schedule)."""
         self.step_count += 1
+        self.sequences += batch
 
     def state_dict(self) -> dict:
-        return {"step_count": self.step_count}
+        return {"step_count": self.step_count, "sequences": self.sequences}
 
     def load_state_dict(self, sd: dict) -> None:
         self.step_count = int(sd["step_count"])
+        self.sequences = int(sd.get("sequences", 0))  # absent in checkpoints from before the ramp-up
 
 
 class SpikeDetector:

@@ -24,6 +24,7 @@ from train.docmask import micro_batch, rope_positions
 from train.metrics import Alerts, Sinks, flops_per_token, memory_stats, mfu, peak_flops
 from train.models import build_model
 from train.optim import LRScheduler, SpikeDetector, build_optimizer, clip_and_step, grad_norm
+from train.rampup import BatchSizes
 from train.state import TrainState
 
 
@@ -51,7 +52,8 @@ class Trainer:
         tcfg.finalize_model_grads_func = finalize_model_grads
         tcfg.no_sync_func = self.model[0].no_sync if len(self.model) == 1 else [m.no_sync for m in self.model]
         self.optimizer = build_optimizer(cfg, self.model)
-        self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.steps)
+        self.batches = BatchSizes(cfg.parallel, cfg.data.seq_len, par.dp, par.rank)  # per step (ramp-up)
+        self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.steps, self.batches)
         self.loader = make_loader(cfg, par)
         self.docs = _document_settings(cfg, self.model)
         self.spikes = SpikeDetector(cfg.spike)
@@ -128,24 +130,26 @@ class Trainer:
     def _train_step(self) -> dict:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        cfg, par, st = self.cfg, self.par, self.state
+        cfg, st = self.cfg, self.state
+        gbs = self.batches.at(st.consumed_tokens // cfg.data.seq_len)  # this step's global batch
         t0 = time.perf_counter()
-        batch = next(self.loader)  # this DP rank's rows: [rows, seq_len + 1], or [rows, 4|5, seq_len] (train.docmask)
+        # this rank's rows: [rows, seq_len + 1], or [rows, 4|5, seq_len] (train.docmask)
+        batch = self.batches.take(self.loader, gbs)
         data_wait = time.perf_counter() - t0
         mbs = self.dpo.rows_per_micro() if self.dpo else cfg.parallel.micro_batch_size  # rows per micro-batch
         if self.dpo:
             batch = self.dpo.trim(batch)
             self.dpo.before_step(batch)
-        micro = iter(batch.split(mbs))
+        micro = batch.split(mbs)
 
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        lr = self.scheduler.apply()
+        lr = self.scheduler.apply(gbs)
         with rope_positions(self.model) as self._rope:
             reports = get_forward_backward_func()(
-                forward_step_func=self._forward_step, data_iterator=micro, model=self.model,
-                num_microbatches=par.num_microbatches, seq_length=self.docs_seq_len(mbs, batch),
+                forward_step_func=self._forward_step, data_iterator=iter(micro), model=self.model,
+                num_microbatches=len(micro), seq_length=self.docs_seq_len(mbs, batch),
                 micro_batch_size=1 if self.docs["varlen"] else mbs, forward_only=False)
         with self._not_measured():
             report = self._global_report(reports)
@@ -168,22 +172,20 @@ class Trainer:
                 with self._not_measured():
                     self.ckpt.before_update()  # an async save's host copy must finish before the state changes
             clip_and_step(self.optimizer, norm, cfg.optim.clip_grad)
-            self.scheduler.step()
+            self.scheduler.step(gbs)
             self.spikes.accept(loss)
             st.extra["consecutive_skips"] = 0
         else:
             self._count_skip(skip, loss, norm)
 
         st.step += 1
-        st.consumed_tokens += self._rows_per_step() * cfg.data.seq_len
-        return {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": skip is not None,
+        sequences = gbs * (2 if self.dpo else 1)  # a dpo pair is two
+        st.consumed_tokens += sequences * cfg.data.seq_len
+        return {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": skip is not None, "global_batch_size": gbs,
+                "sequences": sequences,
                 "step_time_s": time.perf_counter() - t0, "data_wait_s": data_wait, "loss_tokens": loss_tokens,
                 "nonpad_tokens": nonpad, "width": batch.shape[-1],
                 **(self.dpo.record(report) if self.dpo else {})}
-
-    def _rows_per_step(self) -> int:
-        """Sequences in a global batch (a dpo pair is two)."""
-        return self.cfg.parallel.global_batch_size * (2 if self.dpo else 1)
 
     def docs_seq_len(self, mbs: int, batch: torch.Tensor) -> int:
         """The sequence length the pipeline schedule sends between stages: the model's input width (a
@@ -220,6 +222,12 @@ class Trainer:
         if self.ckpt is not None and self.ckpt.resume(st):
             self.spikes.load_state_dict(st.extra.get("spike", {}))
             self.sinks.event(st.step, "resume", f"resumed at step {st.step}")
+        elif cfg.init and cfg.init_keep_optimizer:  # a new stage keeping the optimizer state (resume wins)
+            from train.checkpoint.resume import load_model_and_optimizer
+
+            load_model_and_optimizer(st, cfg.init, cfg.checkpoint.distrib_optim_sharding_type)
+            self.sinks.event(st.step, "init", f"weights and optimizer state from {cfg.init} (fresh schedule, "
+                                              "data, step 0)")
         elif cfg.init:  # weights only, and only when there is nothing to resume (resume wins)
             from train.checkpoint.init_from import load_weights
 
@@ -256,7 +264,7 @@ class Trainer:
     def _log(self, window: list[dict]) -> dict:
         cfg, par, st = self.cfg, self.par, self.state
         elapsed = sum(w["step_time_s"] for w in window)
-        tokens = len(window) * self._rows_per_step() * cfg.data.seq_len
+        tokens = sum(w["sequences"] for w in window) * cfg.data.seq_len  # each step's own batch (ramp-up)
         tps = tokens / elapsed if elapsed > 0 else 0.0
         if cfg.objective != "pretrain":  # padding is computed but not data: report both
             nonpad = sum(w["nonpad_tokens"] for w in window)
@@ -274,8 +282,8 @@ class Trainer:
         # time blocked in collectives / step time over this window: mean and worst over ranks, and by kind
         comm = window_metrics(self.comm.collect(), elapsed, par.device) if self.comm is not None else {}
         rec = {"step": st.step, "loss": window[-1]["loss"], "grad_norm": window[-1]["grad_norm"],
-               "lr": window[-1]["lr"], "tokens_per_s": tps, "tokens_per_s_per_device": tps / par.world,
-               "step_time_s": elapsed / len(window),
+               "lr": window[-1]["lr"], "global_batch_size": window[-1]["global_batch_size"], "tokens_per_s": tps,
+               "tokens_per_s_per_device": tps / par.world, "step_time_s": elapsed / len(window),
                "data_wait_share": sum(w["data_wait_s"] for w in window) / elapsed if elapsed > 0 else 0.0,
                "mfu": mfu(tps / par.world, self.fpt, self.peak), "consumed_tokens": st.consumed_tokens,
                "skipped_steps": st.extra["skipped_steps"], "nonfinite_steps": st.extra["nonfinite_steps"],
@@ -318,10 +326,16 @@ def _document_settings(cfg: TrainConfig, model: list) -> dict:
 def _checkpoint_manager(cfg: TrainConfig, run_dir: Path):
     """train.checkpoint's manager; the manifest records the resolved model config (for HF export)."""
     from train.checkpoint import CheckpointManager
+    from train.checkpoint.init_from import stage_history
 
-    # precision of the stored weights (fp8 trains bf16 weights): what init, eval and merge read
+    # precision of the stored weights (fp8 trains bf16 weights): what init, eval and merge read; optimizer:
+    # its kind (what --keep-optimizer checks); stages: the history of the chain of runs this one ends
+    p = cfg.parallel
     meta = {"model": cfgmod.to_plain(cfg.model.resolved()), "precision": "bf16" if cfg.bf16_weights() else "fp32",
-            "seq_len": cfg.data.seq_len, "padded_vocab_size": cfg.model.padded_vocab_size(cfg.parallel.tp)}
+            "seq_len": cfg.data.seq_len, "padded_vocab_size": cfg.model.padded_vocab_size(cfg.parallel.tp),
+            "optimizer": {"distributed": p.distributed_optimizer, "sharding_type":
+                          cfg.checkpoint.distrib_optim_sharding_type if p.distributed_optimizer else None},
+            "stages": stage_history(cfg)}
     if cfg.data.dataset and not cfg.debug.synthetic_data:  # lets `train ckpt export` ship the tokenizer
         from storage import fs
         from storage.manifest import read_manifest

@@ -26,6 +26,13 @@ def cfg(**kw) -> TrainConfig:
     ({"data": {"seq_len": 0}}, "data.seq_len"),
     ({"optim": {"lr": 1.0e-4, "min_lr": 1.0e-3}}, "optim.min_lr"),
     ({"steps": 0}, "steps"),
+    ({"parallel": {"batch_rampup": {"start": 0, "increment": 2, "over_tokens": 512}}}, "parallel.batch_rampup.start"),
+    ({"parallel": {"batch_rampup": {"start": 8, "increment": 2, "over_tokens": 512}}}, "parallel.batch_rampup.start"),
+    ({"parallel": {"batch_rampup": {"start": 2, "increment": 4, "over_tokens": 512}}}, "parallel.batch_rampup.increment"),
+    ({"parallel": {"batch_rampup": {"start": 2, "increment": 2}}}, "parallel.batch_rampup.over_tokens"),  # missing
+    ({"parallel": {"batch_rampup": {"start": 2, "increment": 2, "over_tokens": 100}}}, "parallel.batch_rampup.over_tokens"),
+    ({"objective": "sft", "parallel": {"batch_rampup": {"start": 2, "increment": 2, "over_tokens": 512}}},
+     "parallel.batch_rampup"),
 ])
 def test_bad_config_names_key(data, key):
     with pytest.raises(ConfigError, match=f"key '{key}'"):
@@ -40,6 +47,51 @@ def test_world_checks_name_key():
         c.check_world(16)  # dp 8 × mbs 2 = 16 > 8
     c.check_world(4)
     assert c.parallel.dp(4) == 2 and c.parallel.num_microbatches(4) == 2
+    ramp = cfg(parallel={"global_batch_size": 8, "micro_batch_size": 2,
+                         "batch_rampup": {"start": 2, "increment": 2, "over_tokens": 512}})
+    ramp.check_world(1)
+    with pytest.raises(ConfigError, match="key 'parallel.batch_rampup.start'.*micro_batch_size × dp = 2 × 2"):
+        ramp.check_world(2)  # every step's batch must be whole micro-batches on each DP rank
+    ramp.parallel.batch_rampup.start = 4
+    with pytest.raises(ConfigError, match="key 'parallel.batch_rampup.increment'"):
+        ramp.check_world(2)
+
+
+def test_batch_rampup_sizes_and_lr_schedule():
+    """megatron's calculator: 2 → 8 by 2 over 12 sequences (3 ramp steps of 4 sequences each); the LR runs
+    on sequences in units of full batches, and is the step schedule exactly without a ramp."""
+    from train.optim import LRScheduler
+    from train.rampup import BatchSizes
+
+    c = cfg(data={"seq_len": 32}, optim={"lr": 1.0, "min_lr": 0.1, "warmup_steps": 2},
+            parallel={"global_batch_size": 8, "micro_batch_size": 1,
+                      "batch_rampup": {"start": 2, "increment": 2, "over_tokens": 12 * 32 + 31}})
+    sizes = BatchSizes(c.parallel, 32, dp=2)
+    consumed, got = 0, []
+    for _ in range(7):
+        got.append(sizes.at(consumed))
+        consumed += got[-1]
+    # consumed 0, 2 → 2; 4 → 4 (4 / 4 = 1 ramp step); 8 → 6; 14 > 12 → 8 from then on
+    assert got == [2, 2, 4, 6, 8, 8, 8] and sizes.total(7) == consumed == 38 and sizes.total(2) == 4
+    assert BatchSizes(cfg().parallel, 256, dp=1).at(10**6) == 8
+
+    class Opt:
+        param_groups = [{"wd_mult": 1.0}]
+
+    ramp, plain = LRScheduler(Opt(), c.optim, 7, sizes), LRScheduler(Opt(), c.optim, 7, BatchSizes(cfg().parallel, 256, 1))
+    lrs, full = [], []
+    for b in got:
+        lrs.append(ramp.apply(b))
+        ramp.step(b)
+        full.append(plain.apply(8))
+        plain.step(8)
+    # position (sequences after the step) / 8 - 1 over 38 / 8 full batches: a warmup of 2 × 8 sequences,
+    # capped at lr where a step ends past it, then the cosine
+    pos = [(a + b) / 8 - 1 for a, b in zip([0, 2, 4, 8, 14, 22, 30], got)]
+    assert lrs == [lr_at(p, c.optim, 38 / 8) for p in pos]
+    assert lrs[:4] == pytest.approx([0.125, 0.25, 0.5, 0.875]) and lrs[4] == 1.0 > lrs[5] > lrs[6]
+    assert full == [lr_at(s, c.optim, 7) for s in range(7)]
+    assert ramp.state_dict() == {"step_count": 7, "sequences": 38}
 
 
 def test_missing_dataset_fails_before_launch(tmp_path):
@@ -77,6 +129,33 @@ def test_wsd_schedule():
     assert lr_at(80, o, total) == pytest.approx(0.95)               # linear decay over the last 20 steps
     assert lr_at(99, o, total) == pytest.approx(0.0)
     assert lr_at(5, OptimConfig(lr=2.0, schedule="constant", warmup_steps=0), total) == 2.0
+
+
+def test_no_weight_decay_on_norms_and_biases(tmp_path):
+    """One AdamW step on zero gradients moves a parameter only through weight decay: the matrices shrink by
+    lr × weight_decay, the RMSNorm weights (1-D, megatron's wd_mult 0 group) stay as they are."""
+    import torch
+
+    from testutil import megatron_one_rank
+    from train.models import build_model
+    from train.optim import LRScheduler, build_optimizer, clip_and_step, grad_norm
+    from train.parallel import wrap_ddp
+
+    c = cfg(model={"preset": "tiny", "hidden_size": 64, "num_layers": 1, "ffn_hidden_size": 96},
+            optim={"lr": 0.5, "weight_decay": 0.1, "warmup_steps": 0, "schedule": "constant"})
+    with megatron_one_rank(tmp_path):
+        model = wrap_ddp(c, build_model(c.model, seed=1))
+        opt = build_optimizer(c, model)
+        before = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+        model[0].zero_grad_buffer()
+        LRScheduler(opt, c.optim, c.steps).apply(c.parallel.global_batch_size)
+        clip_and_step(opt, grad_norm(opt), c.optim.clip_grad)
+        after = dict(model[0].named_parameters())
+    norms = [n for n in before if before[n].dim() == 1]
+    assert norms and all("norm" in n for n in norms)
+    for n, w in before.items():
+        want = w if w.dim() == 1 else w * (1 - 0.5 * 0.1)
+        assert torch.allclose(after[n].detach(), want, rtol=0, atol=1e-7), n
 
 
 def test_spike_detector():
@@ -235,6 +314,10 @@ def test_estimate_1_7b_bf16():
     assert e["tokens_per_s_per_gpu"] == pytest.approx(0.45 * h100 / fpt, rel=1e-4)
     other = estimate(c, world=1, mfu=0.3, peak=312e12)
     assert other["tokens_per_s_per_gpu"] == pytest.approx(0.3 * 312e12 / fpt)
+    # fp8 (sized on any machine, no GPU check): bf16 weights and activations, the bf16 peak
+    fp8 = estimate(cfg(model={"preset": "1.7b"}, precision="fp8", data={"seq_len": 4096},
+                       parallel={"micro_batch_size": 4, "global_batch_size": 64}), world=1)
+    assert fp8["memory_gib"] == e["memory_gib"] and fp8["tokens_per_s_per_gpu"] == e["tokens_per_s_per_gpu"]
 
 
 def test_torchrun_and_sbatch_commands(tmp_path):

@@ -11,12 +11,21 @@ folder's absolute path, and the model shape comes from the checkpoint's recorded
 
 - a shape key left null in the config (hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size,
   vocab_size, max_position_embeddings, rope_theta, norm_eps, no_rope_every) takes the checkpoint's value (the preset
-  does not apply to it); a key set in the config must equal the checkpoint's;
+  does not apply to it); a key set in the config must equal the checkpoint's, except the stage keys
+  rope_theta and max_position_embeddings (no parameter has their shape: a new stage may raise them, e.g. a
+  long-context stage);
 - tie_embeddings and make_vocab_size_divisible_by take the checkpoint's value when the config leaves
   their defaults (true, 128), and must equal it otherwise;
 - every disagreeing key is named in one error (`key 'model.hidden_size': 128 in the config, 64 in ...`);
 - the embedding rows at the run's TP (vocab padded to make_vocab_size_divisible_by × TP) must equal the
-  checkpoint's.
+  checkpoint's;
+- with `init_keep_optimizer` (`--keep-optimizer`): the checkpoint must hold optimizer state, of the run's
+  precision and kind (plain or distributed optimizer, when the checkpoint records it); TP/PP/DP may differ
+  (resharded on load, as resume does).
+
+Stages: every checkpoint's manifest records `meta.stages`, the run's stage history: the init checkpoint's
+own history (one synthesized entry when it recorded none: imported, merged or older checkpoints) plus
+this run's entry (`stage_history`).
 """
 from __future__ import annotations
 
@@ -31,6 +40,9 @@ from train.checkpoint import layout
 NULLABLE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
             "max_position_embeddings", "rope_theta", "norm_eps", "no_rope_every")
 DEFAULTED = {"tie_embeddings": True, "make_vocab_size_divisible_by": 128}
+# set in the config, these may differ from the checkpoint's: no parameter shape depends on them (RoPE has no
+# learned positions); a new stage raises them (long context: seq_len 4k -> 32k -> 64k, RoPE theta raised)
+STAGE_KEYS = ("rope_theta", "max_position_embeddings")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -59,6 +71,8 @@ def find_checkpoint(path: str, what: str = "key 'init'") -> str:
 def resolve(cfg) -> None:
     """Validate cfg.init and fill the model shape from the checkpoint, in place (a TrainConfig)."""
     if not cfg.init:
+        if cfg.init_keep_optimizer:
+            raise ConfigError("key 'init_keep_optimizer': needs a checkpoint to start from (key 'init', --init)")
         return
     ckpt = find_checkpoint(cfg.init)
     m = layout.read_manifest(fsspec.filesystem("file"), ckpt)
@@ -74,7 +88,7 @@ def resolve(cfg) -> None:
         mine, theirs = getattr(model, k), getattr(ck, k)
         if mine is None:
             updates[k] = theirs
-        elif mine != theirs:
+        elif mine != theirs and k not in STAGE_KEYS:
             bad.append((k, mine, theirs))
     for k, default in DEFAULTED.items():
         mine, theirs = getattr(model, k), getattr(ck, k)
@@ -94,6 +108,76 @@ def resolve(cfg) -> None:
                           f"rows at tp={cfg.parallel.tp} (vocab {cfg.model.vocab_size} padded to a multiple of "
                           f"model.make_vocab_size_divisible_by × tp), the --init checkpoint {ckpt} has {rows}: "
                           "choose a TP (or make_vocab_size_divisible_by) that gives the same padding")
+    if cfg.init_keep_optimizer:
+        _check_optimizer(cfg, ckpt, m)
+
+
+def _check_optimizer(cfg, ckpt: str, m: dict) -> None:
+    """--keep-optimizer: the checkpoint holds optimizer state this run can load (same precision and kind)."""
+    meta = m.get("meta") or {}
+    what = f"key 'init_keep_optimizer': the --init checkpoint {ckpt}"
+    origin = "a merge" if meta.get("merge") else "an import" if (meta.get("hf") or {}).get("source") else None
+    if origin:
+        raise ConfigError(f"{what} is {origin} and holds no optimizer state; start without --keep-optimizer")
+    mine = "bf16" if cfg.bf16_weights() else "fp32"
+    if meta.get("precision", "fp32") != mine:
+        raise ConfigError(f"{what} has {meta.get('precision', 'fp32')} weights, this run {mine} "
+                          f"(precision {cfg.precision}): its optimizer state does not fit; use the checkpoint's "
+                          "precision or start without --keep-optimizer")
+    opt = meta.get("optimizer")
+    if opt is not None and bool(opt.get("distributed")) != cfg.parallel.distributed_optimizer:
+        raise ConfigError(f"{what} was written with parallel.distributed_optimizer {bool(opt.get('distributed'))}, "
+                          f"this run has {cfg.parallel.distributed_optimizer}: the optimizer state cannot be "
+                          "converted between the two; set parallel.distributed_optimizer to the checkpoint's "
+                          "(TP/PP/DP may differ) or start without --keep-optimizer")
+    if opt is not None and opt.get("distributed") and \
+            opt.get("sharding_type") != cfg.checkpoint.distrib_optim_sharding_type:
+        raise ConfigError(f"{what} was written with checkpoint.distrib_optim_sharding_type "
+                          f"{opt.get('sharding_type')!r}, this run has {cfg.checkpoint.distrib_optim_sharding_type!r}:"
+                          " use the checkpoint's")
+    if not _has_optimizer(ckpt, m):
+        raise ConfigError(f"{what} holds no optimizer state; start without --keep-optimizer")
+
+
+def _has_optimizer(ckpt: str, m: dict) -> bool:
+    """Whether the checkpoint (its base, for an incremental one) stores optimizer tensors; True when unknown
+    (a torch_dist base: the load itself then says what is missing)."""
+    from train.checkpoint.incremental import RAW_DIR, PieceSet
+
+    base = os.path.join(os.path.dirname(ckpt), m["base"]) if m.get("base") else ckpt
+    if not os.path.isdir(os.path.join(base, RAW_DIR)):
+        return True
+    return any(k.startswith("optimizer") for k in PieceSet(base, RAW_DIR).keys())
+
+
+def stage_history(cfg) -> list[dict]:
+    """meta.stages for this run's checkpoints: the --init checkpoint's stages (or one entry made from what
+    its manifest records, `recorded: false`) followed by this run's stage. A run without init is stage 0."""
+    stages: list[dict] = []
+    init_step = None
+    if cfg.init:
+        try:
+            m = layout.read_manifest(fsspec.filesystem("file"), cfg.init)
+        except Exception:  # noqa: BLE001 - e.g. deleted since this run started: its history is unknown then
+            m = {"meta": {}}
+        meta = m.get("meta") or {}
+        init_step = m.get("step")
+        stages = [dict(s) for s in meta.get("stages") or []]
+        if not stages:
+            origin = "merge" if meta.get("merge") else "import" if (meta.get("hf") or {}).get("source") else \
+                "unrecorded" if "step" in m else "unreadable"
+            stages = [{"stage": 0, "recorded": False, "origin": origin, "init": None, "init_step": None,
+                       "seq_len": meta.get("seq_len"), "rope_theta": (meta.get("model") or {}).get("rope_theta"),
+                       "dataset": None, "mix": None, "kept_optimizer": None}]
+    mod = cfg.model.resolved()
+    stages.append({"stage": len(stages), "init": cfg.init, "init_step": init_step, "objective": cfg.objective,
+                   "seq_len": cfg.data.seq_len, "rope_theta": mod.rope_theta,
+                   "max_position_embeddings": mod.max_position_embeddings,
+                   "dataset": "synthetic" if cfg.debug.synthetic_data else
+                   cfg.data.dataset if "://" in cfg.data.dataset else os.path.abspath(cfg.data.dataset),
+                   "mix": dict(cfg.data.mix) or None, "kept_optimizer": bool(cfg.init and cfg.init_keep_optimizer),
+                   "steps": cfg.steps, "schedule": cfg.optim.schedule, "lr": cfg.optim.lr, "min_lr": cfg.optim.min_lr})
+    return stages
 
 
 def _retype(sd: dict, dtype) -> None:

@@ -51,13 +51,10 @@ def load_into(state: TrainState, root: str, name: str, cfg: CheckpointConfig, re
     path = os.path.join(root, name)
     m = layout.read_manifest(fsspec.filesystem("file"), path)
     base_name = m["base"] or name
-    strategy = DeltaAwareLoadStrategy(os.path.join(root, base_name), path if m["kind"] == "incremental" else None)
-    sd = state_io.sharded_state_dict(state, cfg.distrib_optim_sharding_type, is_loading=True)
     try:
-        loaded = dist_checkpointing.load(sd, path, sharded_strategy=strategy)
+        strategy = _load_tensors(state, path, m, cfg.distrib_optim_sharding_type)
     except Exception as e:
         raise layout.CheckpointError(f"{path}: load failed (base {base_name}): {e}") from e
-    state_io.apply_loaded(state, loaded)
     ts = torch.load(os.path.join(path, "train_state.pt"), weights_only=False)
     state_io.load_train_state(state, ts)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -73,3 +70,42 @@ def load_into(state: TrainState, root: str, name: str, cfg: CheckpointConfig, re
         log.info("resumed from checkpoint %s (%s, step %d)%s", name, m["kind"], m["step"],
                  f", {strategy.pieces_applied} delta pieces on {base_name}" if m["kind"] == "incremental" else "")
     return {"base_name": base_name, "base_snapshot": strategy.base_snapshot, "manifest": m}
+
+
+def _load_tensors(state: TrainState, path: str, m: dict, sharding_type: str) -> DeltaAwareLoadStrategy:
+    """Model chunks and optimizer of checkpoint folder `path` (manifest `m`) into `state`, under this
+    process's layout (resharded). Returns the strategy (its base snapshot)."""
+    root, name = os.path.split(path)
+    strategy = DeltaAwareLoadStrategy(os.path.join(root, m["base"] or name), path if m["kind"] == "incremental" else None)
+    sd = state_io.sharded_state_dict(state, sharding_type, is_loading=True)
+    loaded = dist_checkpointing.load(sd, path, sharded_strategy=strategy)
+    state_io.apply_loaded(state, loaded)
+    return strategy
+
+
+def load_model_and_optimizer(state: TrainState, path: str, sharding_type: str) -> dict:
+    """A new stage with --keep-optimizer (`init_keep_optimizer`): the model weights and the optimizer state
+    (AdamW moments and step, bf16 main parameters) of checkpoint folder `path`, loaded as resume does (any
+    TP/PP/DP layout, resharded). Nothing else: step, LR schedule, loader and RNG streams stay fresh, and the
+    optimizer's hyper-parameters (lr, betas, eps, weight decay) stay this run's config. Returns the
+    checkpoint's manifest. Collective: every rank calls it."""
+    path = os.path.abspath(path.rstrip("/"))
+    m = layout.read_manifest(fsspec.filesystem("file"), path)
+    groups = [{k: v for k, v in g.items() if k not in ("params", "step")}
+              for opt in state_io.inner_optimizers(state.optimizer) for g in opt.optimizer.param_groups]
+    try:
+        _load_tensors(state, path, m, sharding_type)
+    except Exception as e:
+        raise layout.CheckpointError(
+            f"--keep-optimizer: loading the model and optimizer state of {path} failed ({e}); the optimizer "
+            "state must match this run's kind (parallel.distributed_optimizer, "
+            "checkpoint.distrib_optim_sharding_type) and precision; TP/PP/DP may differ. Start without "
+            "--keep-optimizer (init_keep_optimizer: false) for weights only") from e
+    # torch's load_state_dict replaces the param group dicts with the checkpoint's: put this run's values back
+    new = [g for opt in state_io.inner_optimizers(state.optimizer) for g in opt.optimizer.param_groups]
+    for g, hp in zip(new, groups, strict=True):
+        g.update(hp)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == 0:
+        log.info("new stage from checkpoint %s (step %d): weights and optimizer state", path, m["step"])
+    return m
