@@ -48,6 +48,27 @@ def build(cfg, config_path, workers, fresh, dry_run, quiet) -> None:
     click.echo(f"dataset written to {cfg.output}")
 
 
+@main.command()
+@config_options(BuildConfig)
+@click.option("--nodes", type=int, default=1, show_default=True, help="Machines the build will run on.")
+@click.option("--cpus-per-node", type=int, default=os.cpu_count(), show_default=True, help="Worker CPUs per node.")
+@click.option("--sample-mb", type=float, default=32.0, show_default=True,
+              help="Input sample to build for real and scale from.")
+def plan(cfg, config_path, nodes, cpus_per_node, sample_mb) -> None:
+    """Predict wall time, CPU-hours, scratch and output of building CONFIG on NODES x CPUS, from a real
+    build of a sample of its input (see docs/datapipe.md, Scaling)."""
+    from datapipe.plan import format_plan, make_plan
+
+    if not cfg.sources:
+        die("plan needs a CONFIG with sources")
+    try:
+        p = make_plan(cfg, nodes, cpus_per_node, sample_mb, progress=True)
+    except (FileNotFoundError, KeyError, ConfigError, ValueError) as e:
+        die(str(e).strip("'\""))
+    for line in format_plan(p, nodes, cpus_per_node):
+        click.echo(line)
+
+
 @main.group()
 def tokenizer() -> None:
     """Tokenizer tools."""

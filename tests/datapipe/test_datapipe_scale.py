@@ -107,3 +107,23 @@ def test_parquet_without_the_text_field_fails_before_any_stage(inputs, tmp_path)
     with pytest.raises(KeyError, match="text field 'body' is not a column of .*docs.parquet.*columns: id, text"):
         Build(cfg)
     assert not os.path.exists(tmp_path / "o" / "_work" / "logs")
+
+
+def test_plan_predicts_scratch_and_output_bytes(tmp_path, small_tokenizer):
+    """`datapipe plan` builds a sample and scales it; its byte predictions must hold within 25 % of the
+    real build (its time prediction is compared in tools/bench/bench_build_scale.py, not here)."""
+    from datapipe.plan import _dir_bytes, make_plan
+
+    docs = read_corpus("shakespeare", 1200) + read_corpus("pydoc", 1500)
+    paths = [write_jsonl(tmp_path / "in" / f"part{i}.jsonl", docs[i::4]) for i in range(4)]
+    cfg = BuildConfig(output=str(tmp_path / "out"), sources=[SourceConfig("books", paths, filters=[])],
+                      tokenizer=TokenizerConfig(path=small_tokenizer))
+    input_bytes = sum(os.path.getsize(p) for p in paths)
+    plan = make_plan(cfg, nodes=1, cpus_per_node=2, sample_mb=input_bytes / 4e6, tmp=str(tmp_path))
+    assert plan.input_bytes == input_bytes and 0.2 < plan.sample_bytes / input_bytes < 0.35
+    assert set(plan.stage_s) >= {"scan", "exact", "buckets", "clusters", "tokenize", "validation"}
+    Build(cfg, workers=2).run(progress=False)
+    scratch = _dir_bytes(str(tmp_path / "out" / "_work"))
+    output = _dir_bytes(cfg.output, skip="_work") - _dir_bytes(os.path.join(cfg.output, "rejects"))
+    assert abs(plan.scratch_bytes / scratch - 1) < 0.25, (plan.scratch_bytes, scratch)
+    assert abs(plan.output_bytes / output - 1) < 0.25, (plan.output_bytes, output)
