@@ -42,7 +42,10 @@ def build(cfg, config_path, workers, fresh, dry_run, quiet) -> None:
         scripts = b.submit_slurm(dry_run=dry_run)
         click.echo(("wrote" if dry_run else "submitted") + f" {len(scripts)} sbatch scripts under {b.work}/slurm")
         return
-    res = b.run(progress=not quiet)
+    try:
+        res = b.run(progress=not quiet)
+    except RuntimeError as e:  # a failed task: its one-line reason is above, its traceback in the log
+        die(str(e))
     for line in summary_lines(res.manifest, res.elapsed_s):
         click.echo(line)
     click.echo(f"dataset written to {cfg.output}")

@@ -22,9 +22,9 @@ class LocalExecutor(LocalPipelineExecutor):
     - its Manager process (otherwise left blocked forever) and its pool workers are killed when their
       parent dies (the build itself; the forkserver, which exits with the build), so a build killed with
       SIGKILL leaves no process behind, and no orphaned worker finishes a task beside the rerun of it;
-    - with `quiet`, every worker's console stays at WARNING: datatrove prints a task's INFO logs there when
-      its worker slot (local_rank) is 0, and forkserver workers do not inherit `quiet_datatrove`'s patch;
-      local_rank is used for nothing but logging, so it is shifted. Full logs go to the stage's logging_dir.
+    - with `quiet`, every worker's console shows warnings and errors only, one line each (`quiet_datatrove`,
+      applied inside the worker: forkserver workers do not inherit the build's patch). Full logs go to the
+      stage's logging_dir.
     """
 
     def __init__(self, *args, quiet: bool = True, **kwargs):
@@ -42,13 +42,20 @@ class LocalExecutor(LocalPipelineExecutor):
             die_with_parent()
         if not self.quiet:
             return super()._run_for_rank(rank, local_rank, node_rank)
-        from loguru import logger
+        with quiet_datatrove():
+            try:
+                return super()._run_for_rank(rank, local_rank, node_rank)
+            finally:  # datatrove re-adds a DEBUG console sink when a task ends; its "N/M tasks" lines follow
+                console_sink()
 
-        try:
-            return super()._run_for_rank(rank, local_rank + 1, node_rank)
-        finally:  # datatrove re-adds a DEBUG console sink when a task ends; its "N/M tasks" lines follow
-            logger.remove()
-            logger.add(sys.stderr, level="WARNING")
+
+def console_sink() -> None:
+    """The console shows warnings and errors as one line each: a failed task's traceback is in its log
+    file (the stage's logging_dir), not on screen."""
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING", format=lambda r: "{level}: {message}\n")
 
 
 @contextlib.contextmanager
@@ -64,15 +71,18 @@ def quiet_datatrove(verbose: bool = False):
     add, close = base.add_task_logger, base.close_task_logger
 
     def quiet_add(logging_dir, rank, local_rank=0, node_rank=-1):
-        return add(logging_dir, rank, local_rank=1, node_rank=node_rank)  # local_rank != 0: ERROR on stderr
+        """datatrove's add_task_logger with a one-line console sink (its own prints tracebacks there)."""
+        logfile = logging_dir.open(f"logs/task_{rank:05d}.log", "w")
+        console_sink()
+        logger.add(logfile, level="DEBUG", colorize=False,
+                   format="{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <8} | {name}:{function}:{line} - {message}")
+        return logfile
 
     def quiet_close(logfile):
         close(logfile)
-        logger.remove()
-        logger.add(sys.stderr, level="WARNING")
+        console_sink()
 
-    logger.remove()
-    logger.add(sys.stderr, level="WARNING")
+    console_sink()
     base.add_task_logger, base.close_task_logger = quiet_add, quiet_close
     try:
         yield

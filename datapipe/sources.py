@@ -32,6 +32,10 @@ from datapipe.normalize import normalize_text
 from datapipe.preference import read_pair
 
 
+class InputError(RuntimeError):
+    """An input file that cannot be read on; the message names the file and where it broke."""
+
+
 @dataclass(frozen=True)
 class InputFile:
     """One task's input: a whole file, or a piece of a large one (JSONL: bytes [start, end), a record
@@ -186,7 +190,20 @@ class SourceReader(PipelineStep):
                 yield Document(text=text, id=doc_id, metadata=meta)
 
     def _records(self, f: InputFile, src: SourceConfig):
-        """(line or row number, text, id, error or None) for every record of one file."""
+        """(line or row number, text, id, error or None) for every record of one file; a file that cannot
+        be read on (truncated or corrupt compression, an I/O error) stops the task with one line naming
+        it and the last record read, since its remaining records would otherwise be lost silently."""
+        where = "its start"
+        try:
+            for rec in self._raw_records(f, src):
+                where = f"{'byte offset' if f.split else 'row' if f.fmt == 'parquet' else 'line'} {rec[0]}"
+                yield rec
+        except (OSError, EOFError, ValueError) as e:
+            if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+                raise
+            raise InputError(f"{f.url}: unreadable after {where} ({type(e).__name__}: {e})") from None
+
+    def _raw_records(self, f: InputFile, src: SourceConfig):
         base = os.path.basename(f.url)
         if f.fmt == "parquet":
             yield from self._parquet(f, src, base)

@@ -127,3 +127,27 @@ def test_plan_predicts_scratch_and_output_bytes(tmp_path, small_tokenizer):
     output = _dir_bytes(cfg.output, skip="_work") - _dir_bytes(os.path.join(cfg.output, "rejects"))
     assert abs(plan.scratch_bytes / scratch - 1) < 0.25, (plan.scratch_bytes, scratch)
     assert abs(plan.output_bytes / output - 1) < 0.25, (plan.output_bytes, output)
+
+
+def test_truncated_input_stops_the_build_with_one_line(tmp_path):
+    """A cut .gz file cannot be read on: the build fails naming the file and the last line read, with no
+    traceback on the console (it is in the task's log)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    data = b"".join(json.dumps({"id": i, "text": f"document number {i} is here"}).encode() + b"\n" for i in range(3000))
+    packed = gzip.compress(data)
+    (tmp_path / "a.jsonl.gz").write_bytes(packed[:len(packed) // 2])
+    cfg = {"output": str(tmp_path / "out"), "tokenizer": {"vocab_size": 300},
+           "sources": [{"name": "s", "paths": [str(tmp_path / "a.jsonl.gz")], "filters": []}]}
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(cfg))
+    res = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(tmp_path / "b.yaml"), "--quiet"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert "Traceback" not in res.stderr and len(lines) <= 2, res.stderr
+    assert lines[-1].startswith("error: ") and "a.jsonl.gz: unreadable after line " in lines[-1] and "EOFError" in lines[-1]
+    log = next(Path(tmp_path, "out", "_work", "logs", "scan", "logs").glob("task_*.log")).read_text()
+    assert "Traceback" in log
