@@ -21,9 +21,9 @@ import numpy as np
 import xxhash
 from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
 from datatrove.utils.hashing import HashConfig
-from datatrove.utils.text import simplify_text
 
 from datapipe.config import MinhashSettings
+from datapipe.dedup.simplify import simplify_text
 from datapipe.dedup.exact import exact_removals, lookup_ids
 from datapipe.wordtok import tokenize_words
 from storage.fs import atomic_write_bytes
