@@ -98,19 +98,7 @@ class FastGopherRepetitionFilter(GopherRepetitionFilter):
         for n, n_frac in self.dup_n_grams:
             if len(words) < n:
                 continue
-            inv = classes(n).tolist()
-            lens = (csum[n:] - csum[:-n]).tolist()
-            seen: set[int] = set()
-            repeated, idx, last = 0, 0, len(inv)
-            while idx < last:
-                k = inv[idx]
-                if k in seen:
-                    repeated += lens[idx]
-                    idx += n
-                else:
-                    seen.add(k)
-                    idx += 1
-            if repeated / n_text > n_frac:
+            if _repeated_chars(classes(n), csum[n:] - csum[:-n], n) / n_text > n_frac:
                 return False, f"duplicated_{n}_n_grams"
         return True
 
@@ -129,6 +117,32 @@ class FastGopherRepetitionFilter(GopherRepetitionFilter):
             if find_all_duplicate(words, n) / len(text) > n_frac:
                 return False, f"duplicated_{n}_n_grams"
         return True
+
+
+def _repeated_chars(inv: np.ndarray, lens: np.ndarray, n: int) -> int:
+    """datatrove's duplicate n-gram scan (`find_all_duplicate`: left to right, an n-gram already seen at a
+    visited position counts its characters and skips n positions, any other is recorded and skips one)
+    on n-gram classes `inv`, visiting only the positions that can repeat: an n-gram's first occurrence
+    never does, so the runs between candidates go into the seen set in one C call."""
+    first = np.full(int(inv.max()) + 1, len(inv), dtype=np.int64)
+    np.minimum.at(first, inv, np.arange(len(inv)))
+    cand = np.flatnonzero(first[inv] < np.arange(len(inv))).tolist()
+    if not cand:
+        return 0
+    inv_l, lens_l = inv.tolist(), lens.tolist()
+    seen: set[int] = set()
+    repeated, idx = 0, 0
+    for c in cand:
+        if c < idx:  # inside a skipped run
+            continue
+        seen.update(inv_l[idx:c])
+        if inv_l[c] in seen:
+            repeated += lens_l[c]
+            idx = c + n
+        else:
+            seen.add(inv_l[c])
+            idx = c + 1
+    return repeated
 
 
 def word_tokenizer(kind: str):
