@@ -1,8 +1,9 @@
 """Assemble `datapipe build`: datatrove stages in order, the chosen executor, and the final manifest.
 
 Stages (tasks): filter (one per input file) → exact (1) → signatures (one per file) → buckets (bands)
-→ clusters (1) → tokenizer (1) → tokenize (one per file: near-dup filter, decontamination, encoding) →
-shards (one per source, which also splits off the held-out validation documents) → manifest.
+→ verify (bands, if `dedup.minhash.verify_threshold`) → clusters (1) → tokenizer (1) → tokenize (one per
+file: near-dup filter, decontamination, encoding) → shards (one per source, which also splits off the
+held-out validation documents) → manifest.
 Chat sources are rendered by their template when read (see `datapipe.sources`), so every stage after
 that sees plain text; the tokenize stage adds their loss masks, and the manifest records the template.
 A preference pair is one document (both sides' text) until the tokenize stage splits it into its two
@@ -23,15 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from datatrove.pipeline.base import PipelineStep
-from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter
+from datatrove.pipeline.dedup.minhash import MinhashDedupCluster, MinhashDedupFilter
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from datapipe import executors
 from datapipe.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
 from datapipe.decontaminate import Decontaminate, load_index
+from datapipe.dedup.buckets import FastMinhashBuckets
 from datapipe.dedup.exact import ExactHasher, IndexRemover
-from datapipe.dedup.minhash import FastMinhashSignature, MinhashDedupSignature, minhash_config
+from datapipe.dedup.minhash import FastMinhashSignature, minhash_config
+from datapipe.dedup.verify import MinhashVerify
 from datapipe.filters import check_specs
 from datapipe.normalize import Normalize
 from datapipe.sources import SourceReader, check_fields, expand_sources
@@ -131,17 +134,21 @@ class Build:
         remove_dir = None
         if mh.enabled:
             mcfg = minhash_config(mh)
-            sig_cls = FastMinhashSignature if mh.fast_signatures else MinhashDedupSignature
-            sig_steps.append(sig_cls(self.w("minhash", "sigs"), config=mcfg))
+            sig_steps.append(FastMinhashSignature(self.w("minhash", "sigs"), mcfg, spacy_words=not mh.fast_signatures,
+                                                  sketch_folder=self.w("minhash", "sketches") if mh.verify_threshold
+                                                  else None))
             remove_dir = self.w("minhash", "remove")
         stages.append(Stage("signatures", sig_steps, F))
         if mh.enabled:
+            pairs = self.w("minhash", "verified" if mh.verify_threshold else "buckets")
+            stages.append(Stage("buckets", [FastMinhashBuckets(self.w("minhash", "sigs"), self.w("minhash", "buckets"),
+                                                               config=mcfg)], mh.bands))
+            if mh.verify_threshold:  # candidate pairs below the threshold are dropped (datapipe.dedup.verify)
+                stages.append(Stage("verify", [MinhashVerify(self.w("minhash", "buckets"), self.w("minhash", "sketches"),
+                                                             pairs, mh.verify_threshold)], mh.bands))
             stages += [
-                Stage("buckets", [MinhashDedupBuckets(self.w("minhash", "sigs"), self.w("minhash", "buckets"),
-                                                      config=mcfg)], mh.bands),
                 Stage("clusters", [
-                    MinhashDedupCluster(self.w("minhash", "buckets"), self.w("minhash", "clusters"), config=mcfg,
-                                        save_cluster_id=True),
+                    MinhashDedupCluster(pairs, self.w("minhash", "clusters"), config=mcfg, save_cluster_id=True),
                     ClusterResolve(self.w("minhash", "clusters"), remove_dir, F, self.w("deduped_ids"),
                                    os.path.join(self.out, "dedup", "near_dup_clusters.jsonl"))], 1)]
         tok_path = os.path.join(self.out, "tokenizer.json")
