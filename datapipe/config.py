@@ -97,16 +97,20 @@ class NormalizeConfig:
 class MinhashSettings:
     enabled: bool = True
     n_grams: int = 5
-    bands: int = 14
-    rows: int = 8
-    hash_bits: Literal[32, 64] = 64
+    bands: int = 20  # 20 x 5: candidates at J 0.7 with p 0.975, at 0.75 with p 0.9956 (1-(1-J^r)^b)
+    rows: int = 5
+    hash_bits: Literal[32, 64] = 32  # width of the stored minima: 32 halves the signature scratch
     hash_fc: Literal["xxhash", "sha1"] = "xxhash"
     seed: int = 1
-    fast_signatures: bool = True  # our signature step: faster shingling, same signatures as datatrove's
+    fast_signatures: bool = True  # our word split (spaCy's signatures wherever the splits agree); false: spaCy's
+    verify_threshold: float | None = 0.7  # candidate pairs estimated below this Jaccard are not merged; null/0: off
 
     def validate(self) -> None:
         if self.n_grams < 1 or self.bands < 1 or self.rows < 1:
             raise ConfigError("minhash n_grams, bands and rows must be >= 1")
+        if self.verify_threshold is not None and not 0 <= self.verify_threshold <= 1:
+            raise ConfigError(f"key 'dedup.minhash.verify_threshold': must be null or in [0, 1], "
+                              f"got {self.verify_threshold}")
 
 
 @dataclass

@@ -2,15 +2,17 @@
 
 Stages (tasks):
 - scan (one per input piece: a file, or a byte / row-group range of a large one): read, normalise,
-  filter; record the kept positions, exact hashes (by hash partition) and MinHash signatures;
-- exact (one per hash partition), buckets (one per band), clusters (1: datatrove's union-find over the
-  candidate pairs, then our priority keep);
+  filter; record the kept positions, exact hashes (by hash partition) and MinHash signatures (and the
+  verification sketches);
+- exact (one per hash partition), buckets (one per band), verify (one per band, if
+  `dedup.minhash.verify_threshold`: candidate pairs below it are dropped), clusters (1: datatrove's
+  union-find over the verified pairs, then our priority keep);
 - tokenizer (1: copy one, or train on a bounded prefix of the kept documents);
 - tokenize (one per piece): re-read the input, apply the scan and dedup decisions
   (`datapipe.decisions`), decontaminate, encode, and write the piece's own shards (`datapipe.shardout`);
 - validation (one per source: the held-out split from the candidates the tokenize tasks set aside);
 - manifest (1).
-No stage writes a copy of the text: the work dir holds positions, hashes, signatures and ids.
+No stage writes a copy of the text: the work dir holds positions, hashes, signatures, sketches and ids.
 Chat sources are rendered by their template when read (see `datapipe.sources`), so every stage after
 that sees plain text; the tokenize stage adds their loss masks, and the manifest records the template.
 A preference pair is one document (both sides' text) until the tokenize stage splits it into its two
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from datatrove.pipeline.base import PipelineStep
-from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupCluster
+from datatrove.pipeline.dedup.minhash import MinhashDedupCluster
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from datapipe import executors
@@ -39,8 +41,10 @@ from datapipe.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
 from datapipe.decisions import FilterAndRecord, Select, near_removals
 from datapipe.decontaminate import Decontaminate, load_index
+from datapipe.dedup.buckets import FastMinhashBuckets
 from datapipe.dedup.exact import ExactHasher, ExactResolve, exact_removals, write_report
-from datapipe.dedup.minhash import FastMinhashSignature, MinhashDedupSignature, minhash_config
+from datapipe.dedup.minhash import FastMinhashSignature, minhash_config
+from datapipe.dedup.verify import MinhashVerify
 from datapipe.filters import check_specs
 from datapipe.normalize import Normalize
 from datapipe.shardout import ShardOut, WriteValidation, source_infos, task_info_path
@@ -124,20 +128,24 @@ class Build:
                 ExactHasher(self.work, parts)]
         if mh.enabled:
             mcfg = minhash_config(mh)
-            sig_cls = FastMinhashSignature if mh.fast_signatures else MinhashDedupSignature
-            scan.append(sig_cls(self.w("minhash", "sigs"), config=mcfg))
+            scan.append(FastMinhashSignature(self.w("minhash", "sigs"), mcfg, spacy_words=not mh.fast_signatures,
+                                             sketch_folder=self.w("minhash", "sketches") if mh.verify_threshold
+                                             else None))
         stages = [Stage("scan", scan, F)]
         if cfg.dedup.exact:
             stages.append(Stage("exact", [ExactResolve(self.work, F)], parts))
         near_dir = None
         if mh.enabled:
             near_dir = self.w("minhash", "remove")
+            pairs = self.w("minhash", "verified" if mh.verify_threshold else "buckets")
+            stages.append(Stage("buckets", [FastMinhashBuckets(self.w("minhash", "sigs"), self.w("minhash", "buckets"),
+                                                               config=mcfg)], mh.bands))
+            if mh.verify_threshold:  # candidate pairs below the threshold are dropped (datapipe.dedup.verify)
+                stages.append(Stage("verify", [MinhashVerify(self.w("minhash", "buckets"), self.w("minhash", "sketches"),
+                                                             pairs, mh.verify_threshold)], mh.bands))
             stages += [
-                Stage("buckets", [MinhashDedupBuckets(self.w("minhash", "sigs"), self.w("minhash", "buckets"),
-                                                      config=mcfg)], mh.bands),
                 Stage("clusters", [
-                    MinhashDedupCluster(self.w("minhash", "buckets"), self.w("minhash", "clusters"), config=mcfg,
-                                        save_cluster_id=True),
+                    MinhashDedupCluster(pairs, self.w("minhash", "clusters"), config=mcfg, save_cluster_id=True),
                     ClusterResolve(self.w("minhash", "clusters"), near_dir, F, self.work, parts if cfg.dedup.exact
                                    else 0, os.path.join(self.out, "dedup", "near_dup_clusters.jsonl"))], 1)]
         tok_path = os.path.join(self.out, "tokenizer.json")

@@ -1,12 +1,15 @@
-"""MinHash near-dedup on datatrove's four stages, with a faster signature step and priority-aware keeps.
+"""MinHash near-dedup on datatrove's stages, with a faster signature step, verified candidate pairs and
+priority-aware keeps.
 
 - `minhash_config` maps our settings (n-grams, bands × rows, hash width) onto datatrove's MinhashConfig.
-- `FastMinhashSignature` is datatrove's `MinhashDedupSignature` with only the shingling replaced: our
-  `FastWordTokenizer` instead of spaCy's word split, and xxhash called directly on the joined n-grams.
-  The signature itself (the per-document minimum over the permuted shingle hashes) and the file writing
-  are datatrove's own code, unchanged. Wherever the two word splits agree it writes the same signature
-  files; tests/datapipe/test_datapipe_minhash.py and tools/bench/bench_dedup.py compare whole runs of both
-  steps, document for document.
+- `FastMinhashSignature` is datatrove's `MinhashDedupSignature` with faster shingling and writing:
+  `simplify` (datatrove's `simplify_text`, the same output, without its per-character Python loop on
+  ASCII text), our `FastWordTokenizer` split memoised per whitespace chunk instead of spaCy's, xxhash
+  called directly on the joined n-grams, the permutations as one transposed numpy product with a
+  Mersenne-prime fold instead of `%`, and records written per batch and sorted with `lexsort`. Wherever
+  the two word splits agree it writes the same signature files; tests/datapipe/test_datapipe_minhash.py
+  and tools/bench/bench_dedup.py compare whole runs of both steps, document for document. With
+  `sketch_folder` it also writes each task's verification sketches (`datapipe.dedup.verify`).
 - datatrove's cluster stage keeps an arbitrary member of each cluster (union by size);
   `resolve_clusters` writes our own `.remove` files so the member first in priority order is kept, and
   writes the clusters (ids) to a JSONL report.
@@ -16,19 +19,27 @@ from __future__ import annotations
 import json
 import os
 import struct
+import unicodedata
 
 import numpy as np
 import xxhash
 from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
 from datatrove.utils.hashing import HashConfig
+from datatrove.utils.text import MONTHS_PATTERN, NUMBERS_PATTERN, PUNCTUATION_TRANS, WEEKDAYS_PATTERN, TextNormConfig
+from datatrove.utils.typeshelper import StatHints
 
 from datapipe.config import MinhashSettings
-from datapipe.dedup.simplify import simplify_text
 from datapipe.dedup.exact import exact_removals, lookup_ids
-from datapipe.wordtok import tokenize_words
+from datapipe.dedup.verify import SketchWriter
+from datapipe.wordtok import _EXC, tokenize_words
 from storage.fs import atomic_write_bytes
 
 _MERSENNE = np.uint64((1 << 61) - 1)
+_BATCH = 2048  # documents per write of the signature records
+_COLS = 4096  # shingles per block of the permutation product (bounded scratch buffers)
+_MEMO_MAX = 1_000_000  # whitespace chunks remembered by words_of
+_WORDS: dict[str, str] = {}  # chunk → its words joined by spaces (the chunk itself when it is one word)
+_SPLIT: set[str] = set()  # the chunks of _WORDS our tokenizer splits
 
 
 def minhash_config(s: MinhashSettings) -> MinhashConfig:
@@ -36,23 +47,163 @@ def minhash_config(s: MinhashSettings) -> MinhashConfig:
                          hash_config=HashConfig(precision=s.hash_bits, hash_fc=s.hash_fc))
 
 
+def simplify(text: str, norm: TextNormConfig, split: bool = False) -> str | list[str]:
+    """datatrove's `simplify_text(text, norm)`, character for character (or, with `split`, its
+    `.split()`): the same steps and patterns, but whitespace runs collapse with `str.split` (the
+    characters `re`'s `\\s` matches) and the diacritics step (a Python loop per character there) only runs
+    on non-ASCII text, as one `translate` that drops the combining marks (category Mn) present."""
+    if norm.lowercase:
+        text = text.lower()
+    if norm.norm_numbers:
+        text = NUMBERS_PATTERN.sub("0", text)
+    if norm.norm_weekdays:
+        text = WEEKDAYS_PATTERN.sub("WEEKDAY", text)
+    if norm.norm_monthnames:
+        text = MONTHS_PATTERN.sub("MONTH", text)
+    if norm.remove_punctuation:
+        text = text.translate(PUNCTUATION_TRANS)
+    if split and (text.isascii() or not norm.norm_unicode_diacritics):
+        return text.split()
+    if norm.norm_whitespace:
+        text = " ".join(text.split())
+    if norm.norm_unicode_diacritics and not text.isascii():
+        text = unicodedata.normalize("NFD", text)
+        marks = [ord(c) for c in set(text) if unicodedata.category(c) == "Mn"]
+        if marks:
+            text = text.translate(dict.fromkeys(marks))
+    return text.split() if split else text.strip()
+
+
+def words_of(chunks: list[str]) -> list[str]:
+    """`tokenize_words(" ".join(chunks))`, which splits each whitespace chunk on its own: here each
+    distinct chunk is tokenized once per process (a plain ASCII word, which it keeps whole, without a
+    call), so a document costs a few set operations, plus a join and split if one of its chunks splits."""
+    distinct = set(chunks)
+    new = distinct.difference(_WORDS)
+    if new:
+        if len(_WORDS) > _MEMO_MAX:
+            _WORDS.clear()
+            _SPLIT.clear()
+            new = distinct
+        for c in new:
+            if c.isascii() and (c.isalpha() or c.isdigit()) and c not in _EXC:
+                _WORDS[c] = c
+            else:
+                words = tokenize_words(c)
+                _WORDS[c] = " ".join(words)
+                if words != [c]:
+                    _SPLIT.add(c)
+    if distinct.isdisjoint(_SPLIT):
+        return chunks
+    return " ".join(map(_WORDS.__getitem__, chunks)).split()
+
+
 class FastMinhashSignature(MinhashDedupSignature):
-    """`MinhashDedupSignature(language="en")` with faster shingling: the same signature files wherever our
-    word split equals spaCy's."""
+    """`MinhashDedupSignature(language="en")`, faster: the same signature files wherever our word split
+    equals spaCy's; with `sketch_folder`, also each document's verification sketch. `spacy_words` keeps
+    datatrove's shingling (spaCy's word split) and only speeds up the rest."""
 
     name = "🎯 MinHash stage 1 (fast)"
 
-    def get_shingles(self, text: str) -> np.ndarray:
-        words = tokenize_words(simplify_text(text, self.config.norm_config))
-        n = self.config.n_grams
-        if len(words) < n:
-            return np.zeros((0, 1), dtype=np.uint64)
-        if self.config.hash_config.hash_fc == "xxhash":
-            h = xxhash.xxh64_intdigest if self.config.hash_config.precision == 64 else xxhash.xxh32_intdigest
+    def __init__(self, output_folder, config: MinhashConfig | None = None, sketch_folder: str | None = None,
+                 spacy_words: bool = False):
+        super().__init__(output_folder, config=config)
+        self.sketch_folder, self.spacy_words = sketch_folder, spacy_words
+        self._scratch = None  # permutation parameters as columns, and the product's buffers
+        hc = self.config.hash_config
+        if hc.hash_fc == "xxhash":
+            self._hash = xxhash.xxh64_intdigest if hc.precision == 64 else xxhash.xxh32_intdigest
         else:
-            h = self._hash_func
-        joined = [" ".join(words[i:i + n]) for i in range(len(words) - n + 1)]
-        return np.fromiter(map(h, joined), dtype=np.uint64, count=len(joined)).reshape((-1, 1))
+            self._hash = self._hash_func
+
+    def get_shingles(self, text: str) -> np.ndarray:
+        if self.spacy_words:
+            return super().get_shingles(text)
+        words = words_of(simplify(text, self.config.norm_config, split=True))
+        n = self.config.n_grams
+        count = len(words) - n + 1
+        if count <= 0:
+            return np.zeros((0, 1), dtype=np.uint64)
+        grams = map(" ".join, zip(*(words[i:] for i in range(n))))
+        return np.fromiter(map(self._hash, grams), dtype=np.uint64, count=count).reshape((-1, 1))
+
+    def minhashes(self, shingles: np.ndarray) -> np.ndarray:
+        """`get_signature` as one array (bands x rows values): the minima of ((h a + b) mod 2^64) mod p,
+        p = 2^61 - 1, computed in blocks of (permutations) x (shingles) in reused buffers, with the modulo
+        as a fold x = (x & p) + (x >> 61), exact after the rare fix of a result in [p, p + 7]."""
+        if self._scratch is None:
+            a, b = (np.ascontiguousarray(v.reshape(-1, 1)) for v in self.parameters)
+            self._scratch = a, b, np.empty(a.size * _COLS, np.uint64), np.empty(a.size * _COLS, np.uint64)
+        a, b, buf, buf2 = self._scratch
+        h = shingles.reshape(-1)
+        out = None
+        for s in range(0, len(h), _COLS):
+            part = h[s:s + _COLS]
+            y, high = (x[:a.size * len(part)].reshape(a.size, len(part)) for x in (buf, buf2))
+            np.multiply(a, part, out=y)
+            y += b
+            np.right_shift(y, np.uint64(61), out=high)
+            y &= _MERSENNE
+            y += high
+            if y.max() >= _MERSENNE:
+                y[y >= _MERSENNE] -= _MERSENNE
+            if self.config.hash_config.precision == 32:
+                y &= np.uint64(self.config.hash_config.max)
+            m = y.min(axis=1)
+            out = m if out is None else np.minimum(out, m)
+        return out.astype(self.config.hash_config.np_dtype)
+
+    def run(self, data, rank: int = 0, world_size: int = 1):
+        """datatrove's file layout and record order: per bucket, (rows hashes, doc index) records of the
+        documents with at least one shingle, sorted; written per batch, then sorted one bucket at a time."""
+        cfg = self.config
+        rows = cfg.hashes_per_bucket
+        rec = np.dtype([(f"field{i + 1}", f"<{cfg.hash_config.struct_format}") for i in range(rows)]
+                       + [(f"field{rows + 1}", "<I")])
+        names = [f"bucket_{bi:03d}/{rank:05d}.minhash.sig" for bi in range(cfg.num_buckets)]
+        sketches = SketchWriter(self.sketch_folder, rank, cfg.seed) if self.sketch_folder else None
+        with self.track_time():
+            outs = [self.output_folder.open(name, mode="wb") for name in names]
+            sigs: list[np.ndarray] = []
+            idx: list[int] = []
+            batch: list[np.ndarray] = []  # every document's shingles, for the sketches
+
+            def flush() -> None:
+                if sketches:
+                    sketches.add(batch)
+                    batch.clear()
+                if idx:
+                    s = np.stack(sigs)
+                    for bi, f in enumerate(outs):
+                        r = np.empty(len(idx), dtype=rec)
+                        for k in range(rows):
+                            r[rec.names[k]] = s[:, bi * rows + k]
+                        r[rec.names[rows]] = idx
+                        f.write(r.tobytes())
+                    sigs.clear()
+                    idx.clear()
+
+            for doc_idx, doc in enumerate(data):
+                self.stat_update(StatHints.total)
+                shingles = self.get_shingles(doc.text)
+                if sketches:
+                    batch.append(shingles)
+                if shingles.size:
+                    sigs.append(self.minhashes(shingles))
+                    idx.append(doc_idx)
+                if len(idx) >= _BATCH or len(batch) >= _BATCH:
+                    flush()
+            flush()
+            for f in outs:
+                f.close()
+            for name in names:
+                with self.output_folder.open(name, mode="rb") as f:
+                    r = np.frombuffer(f.read(), dtype=rec)
+                r = r[np.lexsort([r[k] for k in reversed(rec.names)])]
+                with self.output_folder.open(name, mode="wb") as f:
+                    f.write(r.tobytes())
+            if sketches:
+                sketches.close()
 
 
 def resolve_clusters(cluster_dir: str, remove_dir: str, n_ranks: int, work: str, exact_parts: int,

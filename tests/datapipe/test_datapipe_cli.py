@@ -114,7 +114,7 @@ def test_slurm_dry_run_writes_chained_sbatch_scripts(tmp_path, small_tokenizer):
     cfg.executor.kind = "slurm"
     cfg.executor.slurm.partition = "cpu-small"
     scripts = Build(cfg).submit_slurm(dry_run=True)
-    names = ["scan", "exact", "buckets", "clusters", "tokenizer", "tokenize", "validation", "manifest"]
+    names = ["scan", "exact", "buckets", "verify", "clusters", "tokenizer", "tokenize", "validation", "manifest"]
     texts = [Path(s).read_text() + Path(s + ".cmd").read_text() for s in scripts]
     jobs = [t for t in texts if "launch_pickled_pipeline" in t]  # the others merge each stage's stats
     assert [t.split("--job-name=datapipe-")[1].split()[0] for t in jobs] == names
@@ -122,7 +122,7 @@ def test_slurm_dry_run_writes_chained_sbatch_scripts(tmp_path, small_tokenizer):
     assert first.startswith("#!/bin/bash") and "#SBATCH --partition=cpu-small" in first
     assert "#SBATCH --array=0-2" in first and "--dependency" not in first
     assert "#SBATCH --array=0-7" in jobs[1]  # one exact task per hash partition
-    assert "#SBATCH --array=0-13" in jobs[2]  # one bucket task per band
+    assert "#SBATCH --array=0-19" in jobs[2] and "#SBATCH --array=0-19" in jobs[3]  # a bucket, verify task per band
     ids = {t: str(1001 + texts.index(t)) for t in jobs}  # dry-run job ids are 1001, 1002, ... in order
     for prev, t in itertools.pairwise(jobs):
         assert f"--dependency=afterok:{ids[prev]}" in t.splitlines()[-1]

@@ -79,17 +79,3 @@ def test_contractions_urls_and_pickling():
     assert tok.word_tokenize("Hello, world!") == ["Hello", ",", "world", "!"]
     assert len(tok.span_tokenize("One. Two! Three")) == 3
 
-
-def test_fast_simplify_text_equals_datatrove():
-    """MinHash shingles come from `simplify_text`: ours must return datatrove's string for every text,
-    accented and astral characters included."""
-    from datatrove.utils.text import DEF_TEXT_NORM_CONFIG, simplify_text
-
-    from datapipe.dedup.simplify import simplify_text as fast
-
-    texts = _sample() + [d["text"] for name in ("fortunes", "pydoc", "shakespeare") for d in read_corpus(name)
-                         if not d["text"].isascii()]
-    texts += ["Café naïve résumé — “quotes” 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 e\u0301 Ångström ﬁ Łódź ǅ", "ΆΈΉ ḱṷṓn \u0301\u0300 Mon 3,5"]
-    assert sum(not t.isascii() for t in texts) > 20
-    for t in texts:
-        assert fast(t, DEF_TEXT_NORM_CONFIG) == simplify_text(t, DEF_TEXT_NORM_CONFIG), t[:80]

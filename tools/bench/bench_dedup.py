@@ -2,9 +2,10 @@
 
 1. Filter chain (FineWeb's: Gopher repetition + quality, C4, FineWeb) with our FastWordTokenizer vs the same
    datatrove filters on spaCy: docs/s, and the agreement of keep decisions on every corpus document.
-2. MinHash signatures (5-grams, 14 x 8): our FastMinhashSignature vs datatrove's MinhashDedupSignature vs
-   datasketch `MinHash.bulk` (same shingles, 112 permutations): docs/s on one core, and for how many
-   documents the signature files of a whole run of each step (same input) hold identical records.
+2. MinHash signatures (5-grams, the default bands x rows): our FastMinhashSignature vs datatrove's
+   MinhashDedupSignature vs datasketch `MinHash.bulk` (same shingles and number of permutations): docs/s
+   on one core, and for how many documents the signature files of a whole run of each step (same input)
+   hold identical records.
 3. Tokenization: our TokenizeStep path (batch encode + EOS + packing) vs bare `tokenizers` batch encode.
 
 Speeds are medians of --runs alternating runs on a fixed subset, our tokenizer's memo cleared before each;
@@ -84,10 +85,13 @@ def timed_pair(fa, fb, runs: int) -> tuple[float, float]:
 
 
 def cold() -> None:
-    """Forget our tokenizer's memo, so every timed run starts as a fresh process would."""
+    """Forget our tokenizer's memos, so every timed run starts as a fresh process would."""
     from datapipe import wordtok
+    from datapipe.dedup import minhash
 
     wordtok._CHUNKS.clear()
+    minhash._WORDS.clear()
+    minhash._SPLIT.clear()
 
 
 def bench_filters(subset: list[str], full: list[str], runs: int) -> dict:
@@ -135,9 +139,10 @@ def bench_signatures(texts: list[str], runs: int) -> dict:
 
     def sigs(step):
         out = []
+        sign = step.minhashes if isinstance(step, FastMinhashSignature) else step.get_signature
         for t in texts:
             sh = step.get_shingles(t)
-            out.append(step.get_signature(sh) if sh.size else None)
+            out.append(sign(sh) if sh.size else None)
         return out
 
     def shingles_bytes(t):
