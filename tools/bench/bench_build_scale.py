@@ -74,8 +74,8 @@ def make_corpus(root: Path, total_mb: int, files: int, seed: int = 0) -> int:
                     text = " ".join(words)
                 else:
                     paras = []
-                    for _ in range(rng.randint(2, 6)):
-                        paras.append(" ".join(rng.choice(pool) for _ in range(rng.randint(3, 8))))
+                    for _ in range(rng.randint(3, 7)):  # ~3 KB, about the mean web document (FineWeb)
+                        paras.append(" ".join(rng.choice(pool) for _ in range(rng.randint(4, 9))))
                     text = "\n\n".join(paras)
                     recent.append(text)
                     if len(recent) > 2000:
