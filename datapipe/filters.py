@@ -3,7 +3,8 @@
 Each filter gets a datatrove `JsonlWriter` as exclusion writer, so every dropped document lands in
 `rejects/<filter>/` with its reason. English word splitting goes through our `FastWordTokenizer`
 (default) or datatrove's spaCy tokenizer (`word_tokenizer: spacy`); thresholds are datatrove's. With the
-fast tokenizer the Gopher repetition rules run as `FastGopherRepetitionFilter` (integer n-gram ids).
+fast tokenizer the Gopher repetition rules run as `FastGopherRepetitionFilter` (integer n-gram ids), and
+the Gopher quality and C4 rules as `datapipe.fastfilters`' classes (same rules and results).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from datatrove.pipeline.writers.jsonl import JsonlWriter
 from datatrove.utils.text import split_into_words
 
 from datapipe.config import FilterSpec
+from datapipe.fastfilters import FastC4QualityFilter, FastGopherQualityFilter
 from datapipe.wordtok import FastWordTokenizer
 from storage.config import ConfigError
 
@@ -190,8 +192,9 @@ def build_filter(spec: FilterSpec, tokenizer, rejects_dir: str, index: int) -> B
         return cls(model_url=os.path.abspath(model), exclusion_writer=writer, **params)
     if "language" in inspect.signature(cls.__init__).parameters:
         params["language"] = tokenizer
-    if cls is GopherRepetitionFilter and not isinstance(tokenizer, str):
-        cls = FastGopherRepetitionFilter
+    if not isinstance(tokenizer, str):  # the fast path: same rules, less Python per word
+        cls = {GopherRepetitionFilter: FastGopherRepetitionFilter, GopherQualityFilter: FastGopherQualityFilter,
+               C4QualityFilter: FastC4QualityFilter}.get(cls, cls)
     return cls(exclusion_writer=writer, **params)
 
 

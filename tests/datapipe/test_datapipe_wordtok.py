@@ -79,3 +79,28 @@ def test_contractions_urls_and_pickling():
     assert tok.word_tokenize("Hello, world!") == ["Hello", ",", "world", "!"]
     assert len(tok.span_tokenize("One. Two! Three")) == 3
 
+
+
+def test_fast_quality_and_c4_filters_equal_datatrove():
+    """Same decision and the same rewritten text (C4 drops lines) as datatrove's classes, same tokenizer."""
+    from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter
+
+    from datapipe.fastfilters import FastC4QualityFilter, FastGopherQualityFilter
+
+    tok = FastWordTokenizer()
+    texts = _sample() + [d["text"] for d in read_corpus("fortunes", 400, start=2000)]
+    pairs = [(FastGopherQualityFilter(language=tok), GopherQualityFilter(language=tok)),
+             (FastC4QualityFilter(language=tok), C4QualityFilter(language=tok)),
+             (FastC4QualityFilter(language=tok, filter_no_terminal_punct=False, min_num_sentences=2),
+              C4QualityFilter(language=tok, filter_no_terminal_punct=False, min_num_sentences=2))]
+    for fast, ref in pairs:
+        results, rewritten = set(), 0
+        for t in texts:
+            a, b = Document(text=t, id="x"), Document(text=t, id="x")
+            res = fast.filter(a)
+            assert res == ref.filter(b), (type(ref).__name__, t[:80])
+            assert a.text == b.text
+            results.add(res is True)
+            rewritten += a.text != t
+        assert results == {True, False}  # the sample has kept and dropped documents for every filter
+        assert rewritten or isinstance(ref, GopherQualityFilter)  # C4 rewrote some texts
