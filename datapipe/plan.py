@@ -10,7 +10,7 @@ same config, in one worker; each stage's time is then scaled to the whole corpus
   spread over their task count;
 - tokenizer: linear in the documents it trains on, at most `tokenizer.train_max_docs`;
 - manifest: constant.
-Scratch (the work dir without logs) and output bytes scale with the input bytes. Compressed inputs are
+Scratch (the work dir without logs) and output bytes (but the tokenizer file) scale with the input bytes. Compressed inputs are
 counted at their decompressed size, estimated from the sample. The sample takes records from 8 windows
 spread over each sampled file (compressed files: their first records), so a file sorted by topic or
 length is not judged by its head.
@@ -174,8 +174,9 @@ def make_plan(cfg: BuildConfig, nodes: int, cpus_per_node: int, sample_mb: float
             plan.stage_s[name] = wall
             plan.cpu_s += total
         plan.scratch_bytes = int(_dir_bytes(build.work) * ratio)
-        plan.output_bytes = int((_dir_bytes(scfg.output, skip="_work") - _dir_bytes(os.path.join(scfg.output, "rejects")))
-                                * ratio)
+        fixed = os.path.getsize(os.path.join(scfg.output, "tokenizer.json"))  # one copy, whatever the size
+        shards = _dir_bytes(scfg.output, skip="_work") - _dir_bytes(os.path.join(scfg.output, "rejects")) - fixed
+        plan.output_bytes = int(shards * ratio) + fixed
         return plan
     finally:
         shutil.rmtree(root, ignore_errors=True)

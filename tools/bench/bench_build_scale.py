@@ -8,7 +8,7 @@ sampler thread records the largest resident set of any process of the build and 
 work directory every 0.5 s.
 
     python tools/bench/bench_build_scale.py --sizes-mb 250,1000 --base c4b2b7d [--runs 3] [--workers 2]
-        [--train-tokenizer] [--no-write]
+        [--train-tokenizer] [--plan] [--no-write]
 """
 from __future__ import annotations
 
@@ -173,6 +173,17 @@ def measure(label: str, python: str, pythonpath: str, corpus: Path, in_bytes: in
     return res
 
 
+def predict(corpus: Path, tmp: Path, workers: int, tokenizer: str | None, sample_mb: float) -> dict:
+    """`datapipe plan` (this checkout) for the same build on 1 node x `workers` CPUs."""
+    from datapipe.config import BuildConfig
+    from datapipe.plan import make_plan
+    from storage import config as cfgmod
+
+    cfg = cfgmod.from_dict(BuildConfig, build_config(corpus, tmp / "plan-out", tmp / "plan-work", workers, tokenizer))
+    p = make_plan(cfg, nodes=1, cpus_per_node=workers, sample_mb=sample_mb, tmp=str(tmp))
+    return {"wall_s": p.wall_s, "scratch": p.scratch_bytes, "out_bytes": p.output_bytes, "sample_mb": sample_mb}
+
+
 def base_checkout(rev: str, tmp: Path) -> Path:
     path = tmp / f"base-{rev}"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-f", str(path), rev], check=True,
@@ -190,6 +201,7 @@ def main() -> None:
     ap.add_argument("--train-tokenizer", action="store_true",
                     help="train the BPE inside each build (default: a given tokenizer.json, trained beforehand)")
     ap.add_argument("--runs", type=int, default=1, help="builds per size and code (medians reported)")
+    ap.add_argument("--plan", action="store_true", help="also run `datapipe plan` first and compare")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     tmp = Path(args.tmp or tempfile.mkdtemp(prefix="bench-scale-"))
@@ -202,6 +214,8 @@ def main() -> None:
             corpus = tmp / f"corpus-{mb}"
             shutil.rmtree(corpus, ignore_errors=True)
             in_bytes = make_corpus(corpus, mb, args.files)
+            plan = predict(corpus, tmp, args.workers, tokenizer, min(16.0, mb / 4)) if args.plan else None
+            print("plan:", json.dumps(plan), flush=True)
             codes = [("this", str(REPO))] + ([(f"base {args.base}", str(base))] if base else [])
             results: dict[str, list[dict]] = {label: [] for label, _ in codes}
             for k in range(args.runs):  # alternate the codes, so drifting load hits both alike
@@ -213,7 +227,7 @@ def main() -> None:
                     results[label].append(res)
             for label, runs in results.items():
                 res = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]  # the median run
-                res.update(size_mb=mb, code=label, runs=len(runs))
+                res.update(size_mb=mb, code=label, runs=len(runs), plan=plan if label == "this" else None)
                 rows.append(res)
             shutil.rmtree(corpus, ignore_errors=True)
     finally:
@@ -237,6 +251,15 @@ def write_section(rows: list[dict], args) -> None:
         lines.append(f"| {r['size_mb']} MB | {r['code']} | {r['wall_s']:.1f} | {r['mb_s_core']:.2f} | "
                      f"{r['peak_rss'] / 2**20:.0f} | {r['peak_scratch'] / r['in_bytes']:.2f} | "
                      f"{r['out_bytes'] / r['in_bytes']:.2f} | {st} |")
+    plans = [r for r in rows if r.get("plan")]
+    if plans:
+        lines += ["", "`datapipe plan` (same config, 1 node x workers CPUs, built on a sample) against the build:", "",
+                  "| size | sample | predicted wall s | actual wall s | predicted / actual scratch | "
+                  "predicted / actual output |", "|---|---|---|---|---|---|"]
+        for r in plans:
+            p = r["plan"]
+            lines.append(f"| {r['size_mb']} MB | {p['sample_mb']:.0f} MB | {p['wall_s']:.0f} | {r['wall_s']:.0f} | "
+                         f"{p['scratch'] / max(1, r['peak_scratch']):.2f} | {p['out_bytes'] / r['out_bytes']:.2f} |")
     with open(REPO / "docs" / "benchmarks.md", "a") as f:
         f.write("\n".join(lines) + "\n")
 
