@@ -24,9 +24,12 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# Stock tools the tests compare against (tar, lz4, fio); installed when missing and we are root.
+# Stock tools the tests compare against (tar, lz4, fio) or run (Slurm's daemons and munge, for a one-node
+# test cluster), as COMMAND:PACKAGE; installed when missing and we are root.
+SYSDEPS := lz4:lz4 fio:fio slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge
 sysdeps:
-	@missing=""; for t in lz4 fio; do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	@PATH="$$PATH:/usr/sbin:/sbin"; missing=""; \
+	for d in $(SYSDEPS); do command -v $${d%%:*} >/dev/null 2>&1 || missing="$$missing $${d#*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing$$missing"; (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null; \

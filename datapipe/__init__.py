@@ -5,10 +5,10 @@ normalises Unicode, applies datatrove's Gopher/C4/FineWeb filters (with a fast s
 word tokenizer), removes exact and MinHash near-duplicates across sources (kept in the highest-priority
 source, clusters reported), tokenizes with HF `tokenizers` (a local tokenizer.json or a BPE trained
 offline) and writes shard format v1 per source plus `manifest.json` with counts and the mix schedule,
-through `storage`. Stages run on datatrove's Local, Ray or Slurm executors, are resumable, and give
-byte-identical output for the same config and inputs.
+through `storage`. Stages run on datatrove's Local executor, on a Ray cluster or as a Slurm job chain, are
+resumable, and give byte-identical output for the same config and inputs on every engine.
 
 Modules: cli (commands), config (typed configs), sources (readers), normalize, filters + wordtok (quality
 filters), dedup/ (exact, minhash), tokenize, steps (one-task stages), pipeline (stage assembly, manifest),
-executors, report, demo (embedded stdlib corpus). Reference: docs/datapipe.md.
+executors (local, Ray), slurm (job chain), report, demo (embedded stdlib corpus). Reference: docs/datapipe.md.
 """

@@ -22,31 +22,38 @@ def main() -> None:
 @click.option("--workers", type=int, default=None, help="Local worker processes (default: executor.workers).")
 @click.option("--fresh", is_flag=True, help="Discard intermediate results of an earlier (interrupted) build.")
 @click.option("--dry-run", is_flag=True, help="Slurm only: write the sbatch scripts, do not submit them.")
+@click.option("--wait", is_flag=True, help="Slurm only: wait for the jobs, retry failed ones (executor.slurm.wait).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def build(cfg, config_path, workers, fresh, dry_run, quiet) -> None:
+def build(cfg, config_path, workers, fresh, dry_run, wait, quiet) -> None:
     """Build a dataset from CONFIG (with no CONFIG: the embedded stdlib demo corpus)."""
     from datapipe.pipeline import Build
     from datapipe.report import summary_lines
+    from storage.manifest import read_manifest
 
     if not cfg.sources:
         from datapipe.demo import demo_config
 
         click.echo(f"no sources configured: building the embedded demo corpus into {cfg.output}", err=True)
         cfg = demo_config(cfg.output, base=cfg)
+    cfg.executor.slurm.wait |= wait
     try:
         b = Build(cfg, workers=workers, fresh=fresh)
     except (FileNotFoundError, KeyError, ConfigError, ValueError) as e:
         die(str(e).strip("'\""))
     cfgmod.save(cfg, os.path.join(b.work, "resolved_config.yaml"))
-    if cfg.executor.kind == "slurm":
-        scripts = b.submit_slurm(dry_run=dry_run)
-        click.echo(("wrote" if dry_run else "submitted") + f" {len(scripts)} sbatch scripts under {b.work}/slurm")
-        return
-    try:
-        res = b.run(progress=not quiet)
-    except RuntimeError as e:  # a failed task: its one-line reason is above, its traceback in the log
+    try:  # a failed task: one line naming it and its log (the traceback is in the log)
+        if cfg.executor.kind == "slurm":
+            scripts = b.submit_slurm(dry_run=dry_run, progress=not quiet)
+            click.echo(f"{'wrote' if dry_run else 'submitted'} {len(scripts)} sbatch scripts under {b.work}/slurm")
+            if dry_run or not cfg.executor.slurm.wait:
+                return
+            summary = summary_lines(read_manifest(cfg.output))
+        else:
+            res = b.run(progress=not quiet)
+            summary = summary_lines(res.manifest, res.elapsed_s)
+    except RuntimeError as e:
         die(str(e))
-    for line in summary_lines(res.manifest, res.elapsed_s):
+    for line in summary:
         click.echo(line)
     click.echo(f"dataset written to {cfg.output}")
 

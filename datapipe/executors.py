@@ -1,9 +1,8 @@
-"""Run one build stage on datatrove's Local or Ray executor, or submit the whole chain to Slurm.
+"""Run one build stage on datatrove's Local executor or on Ray (Slurm chains whole builds: datapipe.slurm).
 
-Local is the default (`workers` processes). Ray starts a local Ray (or joins `ray.address`) and runs
-the same stages as Ray tasks. Slurm chains one `SlurmPipelineExecutor` per stage with `depends`; with
-`dry_run` the sbatch scripts (and, beside each, the `sbatch` command line with its `--dependency`) are
-written to `WORK/slurm/` instead of being submitted (no Slurm here).
+Local is the default (`workers` processes). Ray starts a local Ray (`ray.num_cpus`) or joins the cluster
+at `ray.address`, and runs each task of a stage as one Ray task (`RayExecutor`), as many at once as the
+cluster's CPUs allow; a task whose worker process or node dies is rerun by Ray (`ray.max_retries`).
 """
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import contextlib
 import os
 import sys
 
+from datatrove.executor.base import DistributedEnvVars, PipelineExecutor
 from datatrove.executor.local import LocalPipelineExecutor
 
 from datapipe.config import ExecutorConfig
@@ -129,13 +129,10 @@ def _run_stage(ex: ExecutorConfig, name: str, pipeline: list, tasks: int, worker
                verbose: bool = False) -> None:
     if ex.kind == "ray":
         ray = _import_ray()
-        from datatrove.executor.ray import RayPipelineExecutor
-
         if not ray.is_initialized():
-            ray.init(address=ex.ray.address, num_cpus=ex.ray.num_cpus, include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
-        RayPipelineExecutor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)), logging_dir=logging_dir,
-                            cpus_per_task=ex.ray.cpus_per_task).run()
+            ray.init(address=ex.ray.address, num_cpus=None if ex.ray.address else ex.ray.num_cpus,
+                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+        RayExecutor(pipeline, tasks, logging_dir, name, ex.ray.cpus_per_task, ex.ray.max_retries).run()
     else:
         LocalExecutor(pipeline, tasks=tasks, workers=max(1, min(workers, tasks)), logging_dir=logging_dir,
                       skip_completed=True, quiet=not verbose).run()
@@ -158,38 +155,49 @@ def _import_ray():
     return ray
 
 
-def submit_slurm(ex: ExecutorConfig, stages: list, work: str, dry_run: bool) -> list[str]:
-    """Chain one Slurm array job per stage; return the sbatch scripts (written under WORK/slurm/)."""
-    from datatrove.executor import slurm as dt_slurm
+class RayExecutor(PipelineExecutor):
+    """One Ray task per incomplete rank, run in the Ray worker process itself and retried by Ray when that
+    process or its node dies. datatrove's RayPipelineExecutor runs each task in a pool process forked by
+    an actor instead: SIGKILL of that process (the one doing the work, so the OOM killer's pick) leaves
+    the stage waiting forever, and SIGKILL of the actor leaves it running beside the task's retry.
+    Task logs go straight to `logging_dir` (on the file system the nodes share), as for the other executors.
+    """
 
-    scripts: list[str] = []
-    out_dir = os.path.join(work, "slurm")
-    os.makedirs(out_dir, exist_ok=True)
-    real_launch = dt_slurm.launch_slurm_job
+    def __init__(self, pipeline: list, tasks: int, logging_dir: str, stage: str, cpus_per_task: int = 1,
+                 max_retries: int = 3):
+        super().__init__(pipeline, logging_dir, skip_completed=True)
+        self.tasks, self.stage, self.cpus_per_task, self.max_retries = tasks, stage, cpus_per_task, max_retries
 
-    def fake_launch(contents: str, job_id_retriever=None, *args) -> str:
-        path = os.path.join(out_dir, f"{len(scripts):02d}.sbatch")
-        with open(path, "w") as f:
-            f.write(contents)
-        with open(path + ".cmd", "w") as f:  # the sbatch command line datatrove would run (dependencies)
-            f.write(" ".join(["sbatch", *args, path]) + "\n")
-        scripts.append(path)
-        return str(1000 + len(scripts))
+    @property
+    def world_size(self) -> int:
+        return self.tasks
 
-    s = ex.slurm
-    prev = None
-    execs = []
-    for st in stages:
-        prev = dt_slurm.SlurmPipelineExecutor(
-            st.pipeline, tasks=st.tasks, time=s.time, partition=s.partition, cpus_per_task=s.cpus_per_task,
-            mem_per_cpu_gb=s.mem_per_cpu_gb, job_name=f"{s.job_name}-{st.name}", venv_path=s.venv_path,
-            sbatch_args=dict(s.sbatch_args) or None, logging_dir=os.path.join(work, "logs", st.name),
-            slurm_logs_folder=os.path.join(work, "slurm", "logs", st.name), depends=prev, skip_completed=True)
-        execs.append(prev)
-    if dry_run:
-        dt_slurm.launch_slurm_job = fake_launch
-    try:
-        prev.run()
-    finally:
-        dt_slurm.launch_slurm_job = real_launch
-    return scripts
+    def get_distributed_env(self, node_rank: int = -1) -> DistributedEnvVars:
+        return DistributedEnvVars(datatrove_node_ips="", datatrove_cpus_per_task=str(self.cpus_per_task),
+                                  datatrove_mem_per_cpu="", datatrove_gpus_on_node="0", datatrove_executor="RAY")
+
+    def run(self) -> None:
+        import ray
+
+        ranks = self.get_incomplete_ranks()
+        if not ranks:
+            return
+        me = ray.put(self)
+        task = ray.remote(num_cpus=self.cpus_per_task, max_retries=self.max_retries)(_ray_task)
+        refs = {task.options(name=f"datapipe-{self.stage}-{r:05d}").remote(me, r): r for r in ranks}
+        errors = {}
+        for ref, rank in refs.items():  # every task ends before the stage reports its failures
+            try:
+                ray.get(ref)
+            except Exception as e:
+                errors[rank] = e
+        if errors:
+            rank, e = min(errors.items())
+            cause = getattr(e, "cause", None) or e  # a RayTaskError wraps the task's own exception
+            raise RuntimeError(f"stage {self.stage!r}: tasks {sorted(errors)[:10]} failed; task {rank}: "
+                               f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[-1][:300]} "
+                               f"(see {self.logging_dir.path}/logs/)")
+
+
+def _ray_task(executor: RayExecutor, rank: int) -> None:
+    executor._run_for_rank(rank)

@@ -36,7 +36,7 @@ from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup.minhash import MinhashDedupCluster
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
-from datapipe import executors
+from datapipe import executors, slurm
 from datapipe.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
 from datapipe.decisions import FilterAndRecord, Select, near_removals
@@ -69,8 +69,16 @@ class BuildResult:
     elapsed_s: dict[str, float] = field(default_factory=dict)
 
 
+def _dataset_config(cfg: BuildConfig) -> dict:
+    """The config as the dataset records it: all but `executor`, which changes how a build runs, not its bytes
+    (so a build resumes on another executor, and every executor writes the same manifest)."""
+    plain = cfgmod.to_plain(cfg)
+    del plain["executor"]
+    return plain
+
+
 def _fingerprint(cfg: BuildConfig) -> str:
-    return hashlib.sha256(cfgmod.dump(cfg).encode()).hexdigest()
+    return hashlib.sha256(cfgmod.dump(_dataset_config(cfg)).encode()).hexdigest()
 
 
 class Build:
@@ -182,8 +190,9 @@ class Build:
     def ranks_of(self) -> dict[str, list[int]]:
         return {s.name: [r for r, f in enumerate(self.files) if f.source == s.name] for s in self.cfg.sources}
 
-    def submit_slurm(self, dry_run: bool = False) -> list[str]:
-        return executors.submit_slurm(self.cfg.executor, self.stages() + self.final_stages(), self.work, dry_run)
+    def submit_slurm(self, dry_run: bool = False, progress: bool = True) -> list[str]:
+        """Submit the stages as a Slurm job chain; with `executor.slurm.wait`, return once it has finished."""
+        return slurm.submit(self.cfg.executor, self.stages() + self.final_stages(), self.work, dry_run, progress)
 
     def run(self, progress: bool = True) -> BuildResult:
         from tqdm import tqdm
@@ -272,13 +281,13 @@ class Build:
         if self.cfg.decontaminate.enabled:
             totals["decontaminated_by_task"] = self.decontaminated_by_task()
         m = Manifest(tokenizer=tinfo, sources=sources, mix=mix, build_stats=totals, validation=validation,
-                     build_config=cfgmod.to_plain(self.cfg), chat_template=self.chat_template,
+                     build_config=_dataset_config(self.cfg), chat_template=self.chat_template,
                      software={"smoltrain": _pkg_version("smoltrain"), "datatrove": _pkg_version("datatrove"),
                                "tokenizers": tokenizers.__version__})
         m.format_version = m.needed_version()
         if self.cfg.dedup.exact:
             write_report(self.work, self.cfg.dedup.exact_parts, os.path.join(self.out, "dedup", "exact_clusters.jsonl"))
-        cfgmod.save(self.cfg, os.path.join(self.out, "build_config.yaml"))
+        cfgmod.save(_dataset_config(self.cfg), os.path.join(self.out, "build_config.yaml"))
         write_manifest(self.out, m)
         return m
 

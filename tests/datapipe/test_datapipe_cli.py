@@ -1,15 +1,15 @@
-"""The `datapipe` command: demo build, tokenizer training, mix rewrite and validation, report, Slurm, Ray."""
+"""The `datapipe` command: demo build, tokenizer training, mix rewrite and validation, report, Slurm scripts
+(the engines themselves: test_datapipe_engines.py)."""
 from __future__ import annotations
 
 import itertools
-import json
-import os
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
-from testutil import read_corpus, require, write_jsonl
+from testutil import read_corpus, write_jsonl
 
 from datapipe.cli import main
 from datapipe.config import BuildConfig, MixConfig, PhaseSpec, SourceConfig, TokenizerConfig
@@ -116,10 +116,12 @@ def test_slurm_dry_run_writes_chained_sbatch_scripts(tmp_path, small_tokenizer):
     scripts = Build(cfg).submit_slurm(dry_run=True)
     names = ["scan", "exact", "buckets", "verify", "clusters", "tokenizer", "tokenize", "validation", "manifest"]
     texts = [Path(s).read_text() + Path(s + ".cmd").read_text() for s in scripts]
-    jobs = [t for t in texts if "launch_pickled_pipeline" in t]  # the others merge each stage's stats
+    jobs = [t for t in texts if "launch_pickled_pipeline" in t]
+    assert len(jobs) == len(texts)  # one job per stage, no extra job merging its stats
     assert [t.split("--job-name=datapipe-")[1].split()[0] for t in jobs] == names
     first = jobs[0]
     assert first.startswith("#!/bin/bash") and "#SBATCH --partition=cpu-small" in first
+    assert f"{sys.executable} -m datatrove.tools.launch_pickled_pipeline" in first  # the building python
     assert "#SBATCH --array=0-2" in first and "--dependency" not in first
     assert "#SBATCH --array=0-7" in jobs[1]  # one exact task per hash partition
     assert "#SBATCH --array=0-19" in jobs[2] and "#SBATCH --array=0-19" in jobs[3]  # a bucket, verify task per band
@@ -127,27 +129,6 @@ def test_slurm_dry_run_writes_chained_sbatch_scripts(tmp_path, small_tokenizer):
     for prev, t in itertools.pairwise(jobs):
         assert f"--dependency=afterok:{ids[prev]}" in t.splitlines()[-1]
     assert not (tmp_path / "out" / "manifest.json").exists()
-
-
-@pytest.mark.slow
-def test_ray_executor_equals_local(tmp_path, small_tokenizer):
-    ray = require("ray")
-    srcs = [write_jsonl(tmp_path / f"in{i}.jsonl", read_corpus("fortunes", 200, start=200 * i)) for i in range(2)]
-    outs = {}
-    for kind in ("local", "ray"):
-        cfg = BuildConfig(output=str(tmp_path / kind), sources=[SourceConfig("web", srcs, filters=[])],
-                          tokenizer=TokenizerConfig(path=small_tokenizer))
-        cfg.executor.kind = kind
-        cfg.executor.ray.num_cpus = 2
-        cfg.dedup.minhash.bands, cfg.dedup.minhash.rows = 2, 4  # fewer bucket tasks: Ray's per-task overhead
-        cfg.executor.workers = 2
-        Build(cfg).run(progress=False)
-        outs[kind] = read_manifest(cfg.output)
-    ray.shutdown()
-    assert [s.sha256 for s in outs["ray"].sources["web"].shards] == [s.sha256 for s in outs["local"].sources["web"].shards]
-    assert outs["ray"].build_stats == outs["local"].build_stats
-    assert json.dumps(outs["ray"].sources["web"].stats) == json.dumps(outs["local"].sources["web"].stats)
-    assert os.path.exists(tmp_path / "ray" / "manifest.json")
 
 
 def test_hub_tokenizer_name_offline_gives_clear_error(monkeypatch):
