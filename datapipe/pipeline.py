@@ -96,6 +96,11 @@ class Build:
             check_specs(cfg.filters_for(s), f"sources.{i}.filters" if s.filters is not None else "default_filters")
         check_fields(self.files, self.srcmap)
         self.chat_template = load_template(cfg.chat_template) if cfg.chat_template else None
+        if cfg.tokenizer.path and not os.path.isfile(cfg.tokenizer.path):
+            try:  # a missing local file fails here, not in the tokenizer stage after the scan
+                load_tokenizer(cfg.tokenizer.path)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"key 'tokenizer.path': {e}") from None
         if self.chat_template is not None and cfg.tokenizer.path and os.path.isfile(cfg.tokenizer.path):
             check_special_tokens(load_tokenizer(cfg.tokenizer.path), template_special_tokens(self.chat_template),
                                  f"key 'tokenizer.path' ({cfg.tokenizer.path})")

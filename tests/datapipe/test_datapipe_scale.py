@@ -151,3 +151,11 @@ def test_truncated_input_stops_the_build_with_one_line(tmp_path):
     assert lines[-1].startswith("error: ") and "a.jsonl.gz: unreadable after line " in lines[-1] and "EOFError" in lines[-1]
     log = next(Path(tmp_path, "out", "_work", "logs", "scan", "logs").glob("task_*.log")).read_text()
     assert "Traceback" in log
+
+
+def test_missing_tokenizer_file_fails_before_any_stage(inputs, tmp_path):
+    _, jsonl, _ = inputs
+    cfg = BuildConfig(output=str(tmp_path / "o"), sources=[SourceConfig("web", [jsonl])],
+                      tokenizer=TokenizerConfig(path=str(tmp_path / "nope" / "tokenizer.json")))
+    with pytest.raises(FileNotFoundError, match="key 'tokenizer.path'.*nope/tokenizer.json"):
+        Build(cfg)
