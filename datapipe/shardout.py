@@ -6,8 +6,9 @@ of workers. A document is a validation candidate when the hash of (source, id) f
 `validation.fraction` (a preference pair: the pair id); candidates, a small fraction, wait in the work
 dir (`valcands/RANK.*`). One task per source then holds out the candidates with the smallest hashes up
 to the caps (`validation/SOURCE/shard-NNNNNN.tar`) and packs those beyond a cap into training shards
-numbered after every tokenize task (`SOURCE/shard-<tasks>-NNNN.tar`). Per-task results go to
-`tasks/RANK.json`; the manifest stage lists a source's shards in task order.
+numbered after every tokenize task (`SOURCE/shard-<tasks>-NNNN.tar`), and removes shard files an earlier
+build of another config left in `SOURCE/`. Per-task results go to `tasks/RANK.json`; the manifest stage
+lists a source's shards in task order.
 """
 from __future__ import annotations
 
@@ -175,8 +176,15 @@ class WriteValidation(PipelineStep):
             val.abort()
             overflow.abort()
             raise
+        infos = {}
         for suffix, writer in (("validation", val), ("overflow", overflow)):
-            atomic_json(os.path.join(out.work, "sources", f"{name}.{suffix}.json"), cfgmod.to_plain(writer.close()))
+            infos[suffix] = writer.close()
+            atomic_json(os.path.join(out.work, "sources", f"{name}.{suffix}.json"), cfgmod.to_plain(infos[suffix]))
+        keep = {sh.path for sh in infos["overflow"].shards}
+        keep |= {sh["path"] for r in ranks for sh in read_json(task_info_path(out.work, r))["info"]["shards"]}
+        for p in glob.glob(os.path.join(out.dataset, name, "shard-*")):  # an earlier build's (other pieces)
+            if os.path.relpath(p, out.dataset).removesuffix(".idx") not in keep:
+                os.remove(p)
 
 
 def source_infos(work: str, name: str, ranks: list[int], kind: str) -> tuple[SourceInfo, SourceInfo]:

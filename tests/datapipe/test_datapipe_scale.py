@@ -71,6 +71,11 @@ def test_split_files_give_the_same_documents(inputs, tmp_path, small_tokenizer):
             if p.suffix == ".gz":
                 data = gzip.decompress(data)
             assert probe not in data, p
+    # a rebuild of the other layout into the same folder leaves only its own shards there
+    again = _build(tmp_path, "split", srcs(), small_tokenizer, max_task_bytes=None)
+    listed = {sh.path for src in read_manifest(again).sources.values() for sh in src.shards}
+    assert {str(p.relative_to(again)) for p in Path(again).glob("*/shard-*.tar")} == listed
+    assert _docs(again) == _docs(whole)
 
 
 def test_pieces_cover_every_line_once(tmp_path):
