@@ -116,7 +116,7 @@ class Select(PipelineStep):
             yield from self._select(data, rank, *writers)
 
     def _select(self, data: DocumentsPipeline, rank: int, exact_writer, near_writer) -> DocumentsPipeline:
-        kept = load_npy(kept_path(self.work, rank), np.uint32)
+        kept = load_npy(kept_path(self.work, rank), np.uint32).tolist()  # int compares per record, not numpy scalars
         with gzip.open(edits_path(self.work, rank)) as f:
             edits = dict(json.load(f))
         exact = set(exact_removals(os.path.join(self.work, "exact"), rank, self.exact_parts).tolist())
