@@ -40,6 +40,8 @@ class LocalExecutor(LocalPipelineExecutor):
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
         if os.getpid() != self.main_pid:  # a pool worker (with workers == 1 tasks run in the build itself)
             die_with_parent()
+            # the workers fill the cores: BPE encoding threads in each would only contend with the others
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
         if not self.quiet:
             return super()._run_for_rank(rank, local_rank, node_rank)
         with quiet_datatrove():

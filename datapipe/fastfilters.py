@@ -3,7 +3,7 @@
 - `FastGopherQualityFilter`: whether a word is all punctuation and whether it has a letter are looked up
   in a per-process memo (words repeat: most of a document's words were seen before) instead of a
   generator over the word's characters, twice per word; the mean word length is sum / count, as
-  `np.mean` computes it for integers.
+  `np.mean` computes it for integers; each distinct word is classed once, weighted by its count.
 - `FastC4QualityFilter`: the per-line sentence count (a sentence split of every kept line) stops once the
   document has `min_num_sentences`, since the count is only compared with that minimum.
 Both are used with the fast word tokenizer; tests/datapipe/test_datapipe_wordtok.py compares their
@@ -11,21 +11,32 @@ decisions and rewritten texts with datatrove's classes on the corpora.
 """
 from __future__ import annotations
 
+from collections import Counter
+from itertools import compress
+from operator import mul
+
 from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter
 from datatrove.pipeline.filters.c4_filters import CITATION_REGEX, ELLIPSIS, END_PUNCTUATION, POLICY_SUBSTRINGS
 from datatrove.utils.text import PUNCTUATION_SET, split_into_sentences, split_into_words
 
-_MEMO_MAX = 2_000_000
-_WORD: dict[str, tuple[bool, bool]] = {}  # word → (has a non-punctuation character, has a letter)
+_MEMO_MAX = 500_000  # words: ~50 MB at most
+_SEEN: set[str] = set()  # words classed so far, and those of them with a non-punctuation character / a letter
+_NON_SYMBOL: set[str] = set()
+_ALPHA: set[str] = set()
 
 
-def _classes(word: str) -> tuple[bool, bool]:
-    c = _WORD.get(word)
-    if c is None:
-        if len(_WORD) >= _MEMO_MAX:
-            _WORD.clear()
-        c = _WORD[word] = (any(ch not in PUNCTUATION_SET for ch in word), any(ch.isalpha() for ch in word))
-    return c
+def _class_new(words) -> None:
+    new = words - _SEEN
+    if not new:
+        return
+    if len(_SEEN) + len(new) > _MEMO_MAX:
+        _SEEN.clear(), _NON_SYMBOL.clear(), _ALPHA.clear()
+    for w in new:
+        if any(ch not in PUNCTUATION_SET for ch in w):
+            _NON_SYMBOL.add(w)
+        if any(ch.isalpha() for ch in w):
+            _ALPHA.add(w)
+    _SEEN.update(new)
 
 
 class FastGopherQualityFilter(GopherQualityFilter):
@@ -33,13 +44,18 @@ class FastGopherQualityFilter(GopherQualityFilter):
         text = doc.text
         words = split_into_words(text, self.language)
         n_words = len(words)
-        classes = [_classes(w) for w in words]
-        non_symbol = [len(w) for w, (ns, _) in zip(words, classes) if ns]
-        if self.min_doc_words and len(non_symbol) < self.min_doc_words:
+        counts = Counter(words)  # classes per distinct word, weighted by its count, in C loops
+        _class_new(counts.keys())
+        keys, per_word = list(counts), list(counts.values())
+        non_symbol = list(map(_NON_SYMBOL.__contains__, keys))
+        n_non_symbol = sum(compress(per_word, non_symbol))
+        len_non_symbol = sum(map(mul, compress(per_word, non_symbol), map(len, compress(keys, non_symbol))))
+        n_alpha = sum(compress(per_word, map(_ALPHA.__contains__, keys)))
+        if self.min_doc_words and n_non_symbol < self.min_doc_words:
             return False, "gopher_short_doc"
-        if self.max_doc_words and len(non_symbol) > self.max_doc_words:
+        if self.max_doc_words and n_non_symbol > self.max_doc_words:
             return False, "gopher_long_doc"
-        avg = sum(non_symbol) / len(non_symbol) if non_symbol else float("nan")
+        avg = len_non_symbol / n_non_symbol if n_non_symbol else float("nan")
         if self.min_avg_word_length and avg < self.min_avg_word_length:
             return False, "gopher_below_avg_threshold"
         if self.max_avg_word_length and avg > self.max_avg_word_length:
@@ -55,9 +71,9 @@ class FastGopherQualityFilter(GopherQualityFilter):
         if (self.max_ellipsis_lines_ratio and sum(s.rstrip().endswith(("...", "…")) for s in lines) / len(lines)
                 > self.max_ellipsis_lines_ratio):
             return False, "gopher_too_many_end_ellipsis"
-        if self.max_non_alpha_words_ratio and sum(a for _, a in classes) / n_words < self.max_non_alpha_words_ratio:
+        if self.max_non_alpha_words_ratio and n_alpha / n_words < self.max_non_alpha_words_ratio:
             return False, "gopher_below_alpha_threshold"
-        if self.min_stop_words and len(self.stop_words.intersection(words)) < self.min_stop_words:
+        if self.min_stop_words and len(self.stop_words.intersection(counts)) < self.min_stop_words:
             return False, "gopher_enough_stop_words"
         return True
 
@@ -71,7 +87,7 @@ class FastC4QualityFilter(C4QualityFilter):
             line = line.strip()
             words = line.split()
             self.stat_update("line-total")
-            if self.max_word_length != -1 and any(len(word) > self.max_word_length for word in words):
+            if self.max_word_length != -1 and max(map(len, words), default=0) > self.max_word_length:
                 self.stat_update("line-filter-too_long_word")
                 continue
             if self.remove_citations:

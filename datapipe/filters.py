@@ -70,8 +70,8 @@ class FastGopherRepetitionFilter(GopherRepetitionFilter):
         words = split_into_words(text, self.language)
         if len(words) < 400:  # numpy's per-call cost exceeds the string work on short documents
             return self._ngram_checks_strings(words, text)
-        vocab: dict[str, int] = {}
-        ids = np.fromiter((vocab.setdefault(w, len(vocab)) for w in words), dtype=np.int64, count=len(words))
+        vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
+        ids = np.fromiter(map(vocab.__getitem__, words), dtype=np.int64, count=len(words))
         csum = np.concatenate([[0], np.cumsum(np.fromiter(map(len, words), dtype=np.int64, count=len(words)))])
         n_text = len(text)
 
@@ -81,8 +81,12 @@ class FastGopherRepetitionFilter(GopherRepetitionFilter):
             """An id per position, equal iff the n words starting there are equal (built from n-1)."""
             if n not in cls_cache:
                 prev = classes(n - 1)
-                key = prev[:-1] * (len(vocab) + 1) + ids[n - 1:]
-                cls_cache[n] = np.unique(key, return_inverse=True)[1].reshape(-1)
+                if len(prev) and int(prev.max()) == len(prev) - 1:
+                    # every (n-1)-gram distinct (ids 0..k-1 from np.unique): so is every n-gram
+                    cls_cache[n] = np.arange(len(prev) - 1)
+                else:
+                    key = prev[:-1] * (len(vocab) + 1) + ids[n - 1:]
+                    cls_cache[n] = np.unique(key, return_inverse=True)[1].reshape(-1)
             return cls_cache[n]
 
         for n, n_frac in self.top_n_grams:

@@ -3,15 +3,14 @@
 datatrove's Gopher/C4/FineWeb filters call `load_word_tokenizer("en")`, i.e. `spacy.blank("en")` plus a
 sentencizer, once per filter and once per C4 line. `FastWordTokenizer` is a datatrove `WordTokenizer`
 that reproduces spaCy's whitespace split, prefix/suffix/infix rules and the common English
-contraction exceptions with plain regexes, and memoises the last few texts so a chain of filters
-tokenizes each document once. Its keep decisions are measured against spaCy's by
+contraction exceptions with plain regexes, and memoises recent lines so a chain of filters
+tokenizes each line of a document once (C4's rewrite keeps most lines). Its keep decisions are measured against spaCy's by
 `tools/bench/bench_filters.py` (agreement rate reported in docs/benchmarks.md).
 """
 from __future__ import annotations
 
 import json
 import unicodedata
-from collections import OrderedDict
 from pathlib import Path
 
 import regex
@@ -126,38 +125,58 @@ def _affix_split(s: str, out: list[str]) -> None:
     out.extend(reversed(suffixes))
 
 
-_CHUNKS: dict[str, tuple[str, ...]] = {}  # memo of the slow path: punctuated chunks repeat a lot
+_CHUNKS: dict[str, tuple[str, ...]] = {}  # chunk → tokens: a dict lookup beats even the regex fast path
 _CHUNKS_MAX = 200_000
 
 
+_LINES: dict[str, tuple[str, ...]] = {}  # the last documents' lines: filters re-split rewritten texts
+_LINES_MAX = 4096
+
+
 def tokenize_words(text: str) -> list[str]:
+    """Tokens of `text`: those of its lines in turn (a chunk never spans a newline), each line's looked up
+    in a memo of recent lines, since the chain splits a document, then its C4-rewritten lines, again."""
     out: list[str] = []
-    plain, word_punct, exc = _PLAIN.match, _WORD_PUNCT.match, _EXC
-    for chunk in text.split():
-        if plain(chunk):
-            if chunk not in exc:
-                out.append(chunk)
-                continue
-        elif chunk not in exc:
-            m = word_punct(chunk)
-            if m:
-                w, p = m.groups()
-                # spaCy splits a final "." only after a lower-case letter or two upper-case ones
-                if w not in exc and (p != "." or w[-1].islower() or (len(w) > 1 and w[-1].isupper()
-                                                                    and w[-2].isupper())):
-                    out.append(w)
-                    out.append(p)
-                    continue
-        hit = _CHUNKS.get(chunk)
+    memo = _LINES
+    for line in text.split("\n"):
+        hit = memo.get(line)
         if hit is None:
-            pieces: list[str] = []
-            _split_chunk(chunk, pieces)
-            hit = tuple(pieces)
-            if len(_CHUNKS) >= _CHUNKS_MAX:
-                _CHUNKS.clear()
-            _CHUNKS[chunk] = hit
+            if len(memo) >= _LINES_MAX:
+                memo.clear()
+            hit = memo[line] = tuple(_tokenize_line(line))
         out.extend(hit)
     return out
+
+
+def _tokenize_line(text: str) -> list[str]:
+    out: list[str] = []
+    get = _CHUNKS.get
+    for chunk in text.split():
+        hit = get(chunk)
+        if hit is None:
+            if len(_CHUNKS) >= _CHUNKS_MAX:
+                _CHUNKS.clear()
+            hit = _CHUNKS[chunk] = _chunk_tokens(chunk)
+        out += hit
+    return out
+
+
+def _chunk_tokens(chunk: str) -> tuple[str, ...]:
+    in_exc = chunk in _EXC
+    if _PLAIN.match(chunk):
+        if not in_exc:
+            return (chunk,)
+    elif not in_exc:
+        m = _WORD_PUNCT.match(chunk)
+        if m:
+            w, p = m.groups()
+            # spaCy splits a final "." only after a lower-case letter or two upper-case ones
+            if w not in _EXC and (p != "." or w[-1].islower() or (len(w) > 1 and w[-1].isupper()
+                                                                 and w[-2].isupper())):
+                return (w, p)
+    pieces: list[str] = []
+    _split_chunk(chunk, pieces)
+    return tuple(pieces)
 
 
 def _is_punct(tok: str) -> bool:
@@ -167,25 +186,11 @@ def _is_punct(tok: str) -> bool:
 class FastWordTokenizer(WordTokenizer):
     """datatrove `WordTokenizer` for English without spaCy; pass it as a filter's `language`."""
 
-    def __init__(self, cache_size: int = 8):
+    def __init__(self):
         super().__init__("en")
-        self._cache: OrderedDict[str, list[str]] = OrderedDict()
-        self._cache_size = cache_size
-
-    def __getstate__(self):
-        return {"language": self.language, "_cache_size": self._cache_size}
-
-    def __setstate__(self, state):
-        self.__init__(state["_cache_size"])
 
     def word_tokenize(self, text: str) -> list[str]:
-        hit = self._cache.get(text)
-        if hit is None:
-            hit = tokenize_words(text)
-            self._cache[text] = hit
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return list(hit)
+        return tokenize_words(text)
 
     def span_tokenize(self, text: str) -> list[tuple[int, int]]:
         """Sentence spans as spaCy's sentencizer draws them: a sentence ends after a run of
