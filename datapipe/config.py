@@ -104,10 +104,15 @@ class MinhashSettings:
     seed: int = 1
     fast_signatures: bool = True  # our word split (spaCy's signatures wherever the splits agree); false: spaCy's
     verify_threshold: float | None = 0.7  # candidate pairs estimated below this Jaccard are not merged; null/0: off
+    cluster_parts: int = 4  # tasks per clustering step, one range of input pieces each (memory 1/parts)
+    cluster_rounds: int = 4  # large-star/small-star rounds; not converged by then: finished in one task
 
     def validate(self) -> None:
         if self.n_grams < 1 or self.bands < 1 or self.rows < 1:
             raise ConfigError("minhash n_grams, bands and rows must be >= 1")
+        for key in ("cluster_parts", "cluster_rounds"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"key 'dedup.minhash.{key}': must be >= 1, got {getattr(self, key)}")
         if self.verify_threshold is not None and not 0 <= self.verify_threshold <= 1:
             raise ConfigError(f"key 'dedup.minhash.verify_threshold': must be null or in [0, 1], "
                               f"got {self.verify_threshold}")

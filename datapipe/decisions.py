@@ -20,6 +20,7 @@ import numpy as np
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
+from datapipe.dedup.clusters import near_removals
 from datapipe.dedup.exact import exact_removals
 from datapipe.workfiles import atomic_npy, load_npy
 from storage.fs import atomic_write_bytes
@@ -27,12 +28,6 @@ from storage.fs import atomic_write_bytes
 
 def kept_path(work: str, rank: int) -> str:
     return os.path.join(work, "kept", f"{rank:05d}.npy")
-
-
-def near_removals(remove_dir: str | None, rank: int) -> np.ndarray:
-    """Post-filter indices of near duplicates to drop (sorted), as the cluster stage wrote them."""
-    path = os.path.join(remove_dir, f"{rank:06d}.remove") if remove_dir else ""
-    return np.fromfile(path, dtype="<u4") if path and os.path.exists(path) else np.zeros(0, np.uint32)
 
 
 def line_edit(orig: str, final: str) -> list | str:

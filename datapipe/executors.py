@@ -7,6 +7,7 @@ cluster's CPUs allow; a task whose worker process or node dies is rerun by Ray (
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 
@@ -17,14 +18,36 @@ from datapipe.config import ExecutorConfig
 from storage.lifecycle import die_with_parent, managers_die_with_parent
 
 
+def _cache_loguru_lib_dirs() -> None:
+    """loguru works out the interpreter's library folders (sysconfig, ~7 ms) in every `logger.add`, and
+    datatrove adds sinks several times per task: remember them per `sys.path`, so a stage of small tasks
+    is not mostly logging set-up."""
+    from loguru import _better_exceptions as be
+
+    compute, found = be.ExceptionFormatter._get_lib_dirs, {}
+
+    def lib_dirs():
+        key = tuple(sys.path)
+        if key not in found:
+            found[key] = compute()
+        return found[key]
+
+    be.ExceptionFormatter._get_lib_dirs = staticmethod(lib_dirs)
+
+
+_cache_loguru_lib_dirs()
+
+
 class LocalExecutor(LocalPipelineExecutor):
-    """datatrove's local executor with two changes:
+    """datatrove's local executor with three changes:
     - its Manager process (otherwise left blocked forever) and its pool workers are killed when their
       parent dies (the build itself; the forkserver, which exits with the build), so a build killed with
       SIGKILL leaves no process behind, and no orphaned worker finishes a task beside the rerun of it;
     - with `quiet`, every worker's console shows warnings and errors only, one line each (`quiet_datatrove`,
       applied inside the worker: forkserver workers do not inherit the build's patch). Full logs go to the
-      stage's logging_dir.
+      stage's logging_dir;
+    - with one worker, tasks run in the build's process without datatrove's Manager process (and merged
+      stats.json; the per-task stats are in `stats/`): a stage of small tasks costs its work only.
     """
 
     def __init__(self, *args, quiet: bool = True, **kwargs):
@@ -32,6 +55,15 @@ class LocalExecutor(LocalPipelineExecutor):
         self.quiet, self.main_pid = quiet, os.getpid()
 
     def run(self):
+        if self.workers == 1:  # in this process, one task after another, without the Manager process
+            pipeline = self.pipeline
+            try:
+                for rank in self.get_incomplete_ranks():
+                    self.pipeline = copy.deepcopy(pipeline)  # steps keep per-task state (stats)
+                    self._run_for_rank(rank)
+            finally:
+                self.pipeline = pipeline
+            return
         from multiprocess import managers
 
         with managers_die_with_parent(managers):  # datatrove's task counter lives in a Manager process

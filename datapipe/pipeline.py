@@ -5,8 +5,9 @@ Stages (tasks):
   filter; record the kept positions, exact hashes (by hash partition) and MinHash signatures (and the
   verification sketches);
 - exact (one per hash partition), buckets (one per band), verify (one per band, if
-  `dedup.minhash.verify_threshold`: candidate pairs below it are dropped), clusters (1: datatrove's
-  union-find over the verified pairs, then our priority keep);
+  `dedup.minhash.verify_threshold`: candidate pairs below it are dropped), clusters (cc-edges, then
+  `cluster_rounds` large-star/small-star rounds, cc-finish and the priority keep, `cluster_parts` tasks
+  each but cc-finish: `datapipe.dedup.clusters`; timed together as "clusters");
 - tokenizer (1: copy one, or train on a bounded prefix of the kept documents);
 - tokenize (one per piece): re-read the input, apply the scan and dedup decisions
   (`datapipe.decisions`), decontaminate, encode, and write the piece's own shards (`datapipe.shardout`);
@@ -33,15 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from datatrove.pipeline.base import PipelineStep
-from datatrove.pipeline.dedup.minhash import MinhashDedupCluster
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from datapipe import executors, slurm
 from datapipe.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
-from datapipe.decisions import FilterAndRecord, Select, near_removals
+from datapipe.decisions import FilterAndRecord, Select
 from datapipe.decontaminate import Decontaminate, load_index
 from datapipe.dedup.buckets import FastMinhashBuckets
+from datapipe.dedup.clusters import CCEdges, CCFinish, CCStep, ClusterKeep, near_removals
+from datapipe.dedup.clusters import write_report as write_near_report
 from datapipe.dedup.exact import ExactHasher, ExactResolve, exact_removals, write_report
 from datapipe.dedup.minhash import FastMinhashSignature, minhash_config
 from datapipe.dedup.verify import MinhashVerify
@@ -49,10 +51,11 @@ from datapipe.filters import check_specs
 from datapipe.normalize import Normalize
 from datapipe.shardout import ShardOut, WriteValidation, source_infos, task_info_path
 from datapipe.sources import SourceReader, check_fields, expand_sources
-from datapipe.steps import ClusterResolve, CountsDump, PerSourceFilters, PrepareTokenizer
+from datapipe.steps import CountsDump, PerSourceFilters, PrepareTokenizer
 from datapipe.tokenize import TokenizeStep, check_special_tokens, load_tokenizer, tokenizer_info
 from datapipe.workfiles import read_json
 from storage import config as cfgmod
+from storage.fs import atomic_write_bytes
 from storage.manifest import Manifest, SourceInfo, read_manifest, write_manifest
 
 
@@ -61,6 +64,8 @@ class Stage:
     name: str
     pipeline: list
     tasks: int
+    report_as: str | None = None  # its time is added to this name's in build_report.json
+    local_workers: int | None = None  # at most this many processes with the local executor
 
 
 @dataclass
@@ -156,11 +161,7 @@ class Build:
             if mh.verify_threshold:  # candidate pairs below the threshold are dropped (datapipe.dedup.verify)
                 stages.append(Stage("verify", [MinhashVerify(self.w("minhash", "buckets"), self.w("minhash", "sketches"),
                                                              pairs, mh.verify_threshold)], mh.bands))
-            stages += [
-                Stage("clusters", [
-                    MinhashDedupCluster(pairs, self.w("minhash", "clusters"), config=mcfg, save_cluster_id=True),
-                    ClusterResolve(self.w("minhash", "clusters"), near_dir, F, self.work, parts if cfg.dedup.exact
-                                   else 0, os.path.join(self.out, "dedup", "near_dup_clusters.jsonl"))], 1)]
+            stages += self._cluster_stages(pairs, near_dir)
         tok_path = os.path.join(self.out, "tokenizer.json")
         stages.append(Stage("tokenizer", [PrepareTokenizer(cfg, tok_path, self._reread(near_dir), F)], 1))
         tok_steps = self._reread(near_dir, rej("exact_dup"), rej("near_dup"))
@@ -172,6 +173,20 @@ class Build:
                                       {s.name: s.chat for s in cfg.sources if s.is_templated}, self.rejects))
         stages.append(Stage("tokenize", tok_steps, F))
         return stages
+
+    def _cluster_stages(self, pairs: str, near_dir: str) -> list[Stage]:
+        """Connected components of the verified pairs in `cluster_rounds` large-star/small-star rounds of
+        `cluster_parts` tasks each, then the priority keep (datapipe.dedup.clusters). On one machine the
+        steps run in the driver, one task after another: each is a sort of the pairs, small next to a scan,
+        and a process pool per step would cost more than the step."""
+        cfg, F = self.cfg, len(self.files)
+        mh, cc = cfg.dedup.minhash, self.w("minhash", "cc")
+        parts, last = mh.cluster_parts, 2 * mh.cluster_rounds
+        return ([Stage("cc-edges", [CCEdges(pairs, cc, F)], parts, "clusters", 1)]
+                + [Stage(f"cc-{k}", [CCStep(cc, k, F)], parts, "clusters", 1) for k in range(1, last + 1)]
+                + [Stage("cc-finish", [CCFinish(cc, last, F, parts)], 1, "clusters", 1),
+                   Stage("clusters", [ClusterKeep(cc, near_dir, self.work, cfg.dedup.exact_parts if cfg.dedup.exact
+                                                  else 0)], parts, "clusters", 1)])
 
     def _reread(self, near_dir: str | None, exact_writer=None, near_writer=None) -> list[PipelineStep]:
         """Reader + normaliser (no rejects: the scan stage wrote them) + the scan and dedup decisions."""
@@ -196,8 +211,26 @@ class Build:
         return {s.name: [r for r, f in enumerate(self.files) if f.source == s.name] for s in self.cfg.sources}
 
     def submit_slurm(self, dry_run: bool = False, progress: bool = True) -> list[str]:
-        """Submit the stages as a Slurm job chain; with `executor.slurm.wait`, return once it has finished."""
-        return slurm.submit(self.cfg.executor, self.stages() + self.final_stages(), self.work, dry_run, progress)
+        """Submit the stages as a Slurm job chain; with `executor.slurm.wait`, return once it has finished
+        (and write build_report.json: a stage's time runs from the previous stage's end to its own, as the
+        completion markers of their tasks say, so queue waits are included)."""
+        stages = self.stages() + self.final_stages()
+        start = time.time()
+        scripts = slurm.submit(self.cfg.executor, stages, self.work, dry_run, progress)
+        if not dry_run and self.cfg.executor.slurm.wait:
+            elapsed: dict[str, float] = {}
+            for st in stages:
+                end = slurm.stage_end(self.w("logs", st.name), st.tasks)
+                key = st.report_as or st.name
+                elapsed[key] = elapsed.get(key, 0.0) + max(0.0, end - start)
+                start = max(start, end)
+            self._write_report(elapsed)
+        return scripts
+
+    def _write_report(self, elapsed: dict[str, float]) -> None:
+        # elapsed times vary run to run, so they live beside the manifest, not in it
+        atomic_write_bytes(os.path.join(self.out, "build_report.json"),
+                           json.dumps({"elapsed_s": elapsed}, indent=1).encode())
 
     def run(self, progress: bool = True) -> BuildResult:
         from tqdm import tqdm
@@ -208,18 +241,15 @@ class Build:
         for st in stages:
             bar.set_postfix_str(f"{st.name} ({st.tasks} tasks)")
             t0 = time.perf_counter()
-            executors.run_stage(self.cfg.executor, st.name, st.pipeline, st.tasks, self.workers,
-                                self.w("logs", st.name), progress=progress)
-            elapsed[st.name] = time.perf_counter() - t0
+            executors.run_stage(self.cfg.executor, st.name, st.pipeline, st.tasks,
+                                min(self.workers, st.local_workers or self.workers), self.w("logs", st.name),
+                                progress=progress)
+            key = st.report_as or st.name
+            elapsed[key] = elapsed.get(key, 0.0) + time.perf_counter() - t0
             bar.update(1)
         bar.close()
-        manifest = read_manifest(self.out)
-        from storage.fs import atomic_write_bytes
-
-        # elapsed times vary run to run, so they live beside the manifest, not in it
-        atomic_write_bytes(os.path.join(self.out, "build_report.json"),
-                           json.dumps({"elapsed_s": elapsed}, indent=1).encode())
-        return BuildResult(manifest, elapsed)
+        self._write_report(elapsed)
+        return BuildResult(read_manifest(self.out), elapsed)
 
     def source_stats(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -292,6 +322,9 @@ class Build:
         m.format_version = m.needed_version()
         if self.cfg.dedup.exact:
             write_report(self.work, self.cfg.dedup.exact_parts, os.path.join(self.out, "dedup", "exact_clusters.jsonl"))
+        if self.cfg.dedup.minhash.enabled:
+            write_near_report(self.w("minhash", "cc"), self.cfg.dedup.minhash.cluster_parts,
+                              os.path.join(self.out, "dedup", "near_dup_clusters.jsonl"))
         cfgmod.save(_dataset_config(self.cfg), os.path.join(self.out, "build_config.yaml"))
         write_manifest(self.out, m)
         return m

@@ -6,7 +6,8 @@ same config, in one worker; each stage's time is then scaled to the whole corpus
 
 - per-piece stages (scan, tokenize): seconds per input byte × corpus bytes, run as waves of
   min(pieces, cpus) tasks (a wave lasts as long as its largest piece);
-- exact (`exact_parts` tasks), buckets (`bands` tasks), clusters and validation: linear in the corpus,
+- exact (`exact_parts` tasks), buckets and verify (`bands` tasks), clusters (`cluster_parts` tasks; one
+  process on the local executor) and validation: linear in the corpus,
   spread over their task count;
 - tokenizer: linear in the documents it trains on, at most `tokenizer.train_max_docs`;
 - manifest: constant.
@@ -168,6 +169,7 @@ def make_plan(cfg: BuildConfig, nodes: int, cpus_per_node: int, sample_mb: float
                 total = wall = secs
             else:
                 tasks = {"exact": cfg.dedup.exact_parts, "buckets": cfg.dedup.minhash.bands,
+                         "verify": cfg.dedup.minhash.bands, "clusters": 1 if cfg.executor.kind == "local" else cfg.dedup.minhash.cluster_parts,
                          "validation": len(cfg.sources)}.get(name, 1)
                 total = secs * ratio
                 wall = total / min(cpus, tasks)

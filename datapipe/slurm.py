@@ -220,6 +220,13 @@ def submit(ex: ExecutorConfig, stages: list, work: str, dry_run: bool = False, p
     raise RuntimeError(f"the Slurm build failed ({s.retries + 1} submission(s)):\n  {report}")
 
 
+def stage_end(logging_dir: str, tasks: int) -> float:
+    """When a finished stage's last task completed (its completion marker's mtime)."""
+    done = os.path.join(logging_dir, "completions")
+    return max((os.path.getmtime(os.path.join(done, f"{r:05d}")) for r in range(tasks)
+                if os.path.exists(os.path.join(done, f"{r:05d}"))), default=0.0)
+
+
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 

@@ -13,7 +13,6 @@ from datatrove.pipeline.base import PipelineStep
 
 from datapipe.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
-from datapipe.dedup.minhash import resolve_clusters
 from datapipe.filters import build_filter, filter_label, word_tokenizer
 from datapipe.sources import InputFile
 from datapipe.tokenize import check_special_tokens, load_tokenizer, train_bpe
@@ -71,17 +70,6 @@ class CountsDump(PipelineStep):
         out = {label: stats_of(step) for label, step in self.steps.items()}
         out["out"] = n
         atomic_json(os.path.join(self.counts_dir, f"{rank:05d}.json"), out)
-
-
-class ClusterResolve(PipelineStep):
-    name = "🎯 near-dup clusters (priority keep)"
-
-    def __init__(self, cluster_dir: str, remove_dir: str, n_ranks: int, work: str, exact_parts: int, report: str):
-        super().__init__()
-        self.args = (cluster_dir, remove_dir, n_ranks, work, exact_parts, report)
-
-    def run(self, data=None, rank: int = 0, world_size: int = 1):
-        self.stat_update("removed", value=resolve_clusters(*self.args))
 
 
 class PrepareTokenizer(PipelineStep):

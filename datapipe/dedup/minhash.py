@@ -10,15 +10,10 @@ priority-aware keeps.
   the two word splits agree it writes the same signature files; tests/datapipe/test_datapipe_minhash.py
   and tools/bench/bench_dedup.py compare whole runs of both steps, document for document. With
   `sketch_folder` it also writes each task's verification sketches (`datapipe.dedup.verify`).
-- datatrove's cluster stage keeps an arbitrary member of each cluster (union by size);
-  `resolve_clusters` writes our own `.remove` files so the member first in priority order is kept, and
-  writes the clusters (ids) to a JSONL report.
+Clusters are found and resolved by `datapipe.dedup.clusters` (partitioned, priority keep).
 """
 from __future__ import annotations
 
-import json
-import os
-import struct
 import unicodedata
 
 import numpy as np
@@ -29,10 +24,8 @@ from datatrove.utils.text import MONTHS_PATTERN, NUMBERS_PATTERN, PUNCTUATION_TR
 from datatrove.utils.typeshelper import StatHints
 
 from datapipe.config import MinhashSettings
-from datapipe.dedup.exact import exact_removals, lookup_ids
 from datapipe.dedup.verify import SketchWriter
 from datapipe.wordtok import _EXC, tokenize_words
-from storage.fs import atomic_write_bytes
 
 _MERSENNE = np.uint64((1 << 61) - 1)
 _BATCH = 2048  # documents per write of the signature records
@@ -204,36 +197,3 @@ class FastMinhashSignature(MinhashDedupSignature):
                     f.write(r.tobytes())
             if sketches:
                 sketches.close()
-
-
-def resolve_clusters(cluster_dir: str, remove_dir: str, n_ranks: int, work: str, exact_parts: int,
-                     report_path: str) -> int:
-    """Keep, per near-duplicate cluster, the member first in (rank, index) order among those that are not
-    exact duplicates (removed as such; their kept copy is in the same cluster, so the choice is the same);
-    write `remove_dir/{rank:06d}.remove` (sorted post-filter indices) and a JSONL cluster report.
-    Memory: the clustered documents only (datatrove's cluster stage writes just those). Returns the number
-    of documents to remove."""
-    members: dict[int, list[tuple[int, int]]] = {}
-    for r in range(n_ranks):
-        path = os.path.join(cluster_dir, f"{r:06d}.clusters")
-        if not os.path.exists(path):
-            continue
-        exact = set(exact_removals(os.path.join(work, "exact"), r, exact_parts).tolist())
-        pairs = np.fromfile(path, dtype="<u4").reshape(-1, 2)
-        for doc, cid in pairs.tolist():
-            if doc not in exact:
-                members.setdefault(cid, []).append((r, doc))
-    clusters = sorted(sorted(m) for m in members.values() if len(m) > 1)
-    removes: dict[int, list[int]] = {r: [] for r in range(n_ranks)}
-    for mem in clusters:
-        for r, d in mem[1:]:
-            removes[r].append(d)
-    total = 0
-    for r, docs in removes.items():
-        docs.sort()
-        total += len(docs)
-        atomic_write_bytes(os.path.join(remove_dir, f"{r:06d}.remove"), struct.pack(f"<{len(docs)}I", *docs))
-    ids = lookup_ids(work, [m for mem in clusters for m in mem])
-    lines = [json.dumps({"kept": ids[m[0]], "removed": [ids[x] for x in m[1:]]}) + "\n" for m in clusters]
-    atomic_write_bytes(report_path, "".join(lines).encode())
-    return total

@@ -114,7 +114,8 @@ def test_slurm_dry_run_writes_chained_sbatch_scripts(tmp_path, small_tokenizer):
     cfg.executor.kind = "slurm"
     cfg.executor.slurm.partition = "cpu-small"
     scripts = Build(cfg).submit_slurm(dry_run=True)
-    names = ["scan", "exact", "buckets", "verify", "clusters", "tokenizer", "tokenize", "validation", "manifest"]
+    cc = ["cc-edges", *(f"cc-{k}" for k in range(1, 9)), "cc-finish", "clusters"]  # 4 rounds: 8 steps
+    names = ["scan", "exact", "buckets", "verify", *cc, "tokenizer", "tokenize", "validation", "manifest"]
     texts = [Path(s).read_text() + Path(s + ".cmd").read_text() for s in scripts]
     jobs = [t for t in texts if "launch_pickled_pipeline" in t]
     assert len(jobs) == len(texts)  # one job per stage, no extra job merging its stats
@@ -125,6 +126,8 @@ def test_slurm_dry_run_writes_chained_sbatch_scripts(tmp_path, small_tokenizer):
     assert "#SBATCH --array=0-2" in first and "--dependency" not in first
     assert "#SBATCH --array=0-7" in jobs[1]  # one exact task per hash partition
     assert "#SBATCH --array=0-19" in jobs[2] and "#SBATCH --array=0-19" in jobs[3]  # a bucket, verify task per band
+    assert all("#SBATCH --array=0-3" in jobs[names.index(n)] for n in cc if n != "cc-finish")  # cluster_parts
+    assert "#SBATCH --array=0-0" in jobs[names.index("cc-finish")]
     ids = {t: str(1001 + texts.index(t)) for t in jobs}  # dry-run job ids are 1001, 1002, ... in order
     for prev, t in itertools.pairwise(jobs):
         assert f"--dependency=afterok:{ids[prev]}" in t.splitlines()[-1]

@@ -5,6 +5,7 @@ resubmits it; Ray: Ray reruns it), then kill -9 of the driver, and a rerun."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -132,7 +133,7 @@ def reference(tmp_path_factory, small_tokenizer):
     fortunes = read_corpus("fortunes", 3000)
     paths = [write_jsonl(root / "in" / f"web{i}.jsonl", fortunes[i::2]) for i in range(2)]
     cfg = {"output": str(root / "ds"), "tokenizer": {"path": small_tokenizer},
-           "shards": {"block_tokens": 8192, "shard_blocks": 4}, "dedup": {"minhash": {"bands": 2, "rows": 4}},
+           "shards": {"block_tokens": 8192, "shard_blocks": 4}, "dedup": {"minhash": {"bands": 2, "rows": 4, "cluster_parts": 2, "cluster_rounds": 1}},
            "sources": [{"name": "web", "paths": paths}]}
     Build(cfgmod.from_dict(BuildConfig, cfg), workers=2).run(progress=False)
     files = _files(root / "ds")
@@ -163,6 +164,10 @@ def test_slurm_build_equals_local_after_killed_task_and_driver(slurm_cluster, re
     assert _done(work, "scan") == {0, 1} and "resubmitting" in _log(root / "slurm-1.log"), rank
     _finish(config, slurm_cluster, root / "slurm-2.log", "--set", "executor.slurm.wait=true")  # = --wait
     assert _files(root / "ds") == want
+    # stage times from the task markers (the rerun found the scan done: 0 s)
+    report = json.loads((root / "ds" / "build_report.json").read_text())["elapsed_s"]
+    assert list(report) == ["scan", "exact", "buckets", "verify", "clusters", "tokenizer", "tokenize",
+                            "validation", "manifest"] and report["scan"] == 0 and min(report.values()) >= 0
     shutil.move(root / "ds", root / "slurm")
 
 

@@ -9,8 +9,8 @@ text around a unique body of fortunes, pairwise Jaccard ~0.3-0.5); and further u
 documents are shuffled and split into 4 input tasks.
 
 Methods, each on the same in-memory documents:
-- ours: FastMinhashSignature (+ sketches) → MinhashDedupBuckets → MinhashVerify → MinhashDedupCluster →
-  MinhashDedupFilter, with the build's default MinhashSettings (bands x rows, verify_threshold);
+- ours: FastMinhashSignature (+ sketches) → FastMinhashBuckets → MinhashVerify → our partitioned cluster
+  stages (datapipe.dedup.clusters), with the build's default MinhashSettings (bands x rows, verify_threshold);
 - datatrove: MinhashDedupSignature (spaCy) → MinhashDedupBuckets → MinhashDedupCluster → MinhashDedupFilter,
   datatrove's default MinhashConfig (14 x 8), i.e. today's build without verification;
 - datasketch: MinHash.bulk over the same 5-gram strings (our fast split) → MinHashLSH with our bands x rows →
@@ -196,18 +196,23 @@ def run_datatrove_style(texts: list[str], tmp: str, ours: bool) -> dict:
             verify.run(rank=band, world_size=cfg.num_buckets)
         stats = {k: int(v.total) for k, v in verify.stats.stats.items()}
     marks.append(time.perf_counter())
-    MinhashDedupCluster(pairs, f"{tmp}/clusters", config=cfg, save_cluster_id=True).run()
-    marks.append(time.perf_counter())
-    kept = set()
-    for rank, d in enumerate(docs):
-        kept.update(int(doc.id) for doc in MinhashDedupFilter(f"{tmp}/clusters").run(iter(d), rank=rank))
+    if ours:  # the build's cluster stages; its re-read drops the removals (the filter column: a set difference)
+        kept, cluster = our_clusters(pairs, f"{tmp}/cc", tasks)
+        marks.append(time.perf_counter())
+    else:
+        MinhashDedupCluster(pairs, f"{tmp}/clusters", config=cfg, save_cluster_id=True).run()
+        marks.append(time.perf_counter())
+        kept = set()
+        for rank, d in enumerate(docs):
+            kept.update(int(doc.id) for doc in MinhashDedupFilter(f"{tmp}/clusters").run(iter(d), rank=rank))
+        cluster = read_clusters(f"{tmp}/clusters", tasks)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     stages = dict(zip(STAGES, [b - a for a, b in zip(marks, marks[1:] + [t0 + seconds])]))
     return {"seconds": seconds, "cpu": cpu, "stages": stages, "kept": kept, "stats": stats,
-            "cluster": read_clusters(f"{tmp}/clusters", tasks),
+            "cluster": cluster,
             "scratch_bytes": sum(os.path.getsize(os.path.join(dp, f)) for sub in ("sigs", "sketches")
                                  for dp, _, fs in os.walk(f"{tmp}/{sub}") for f in fs),
-            "unverified": (cluster_only(f"{tmp}/buckets", f"{tmp}/plain", cfg, tasks) if ours else None)}
+            "unverified": our_clusters(f"{tmp}/buckets", f"{tmp}/plain", tasks) if ours else None}
 
 
 def read_clusters(folder: str, tasks: list[range]) -> dict[int, int]:
@@ -220,17 +225,31 @@ def read_clusters(folder: str, tasks: list[range]) -> dict[int, int]:
     return out
 
 
-def cluster_only(pairs: str, out: str, cfg, tasks: list[range]) -> tuple[set[int], dict[int, int]]:
-    """Our candidate pairs clustered without verification → (kept, cluster of each document)."""
-    from datatrove.pipeline.dedup.minhash import MinhashDedupCluster
+def our_clusters(pairs: str, tmp: str, tasks: list[range]) -> tuple[set[int], dict[int, int]]:
+    """datapipe's cluster stages (datapipe.dedup.clusters, default parts and rounds) on candidate pairs →
+    (kept, the cluster (its kept document) of each clustered document)."""
+    from datapipe.config import MinhashSettings
+    from datapipe.dedup.clusters import CCEdges, CCFinish, CCStep, ClusterKeep, near_removals, write_report
+    from datapipe.workfiles import atomic_json
 
-    MinhashDedupCluster(pairs, out, config=cfg, save_cluster_id=True).run()
-    removed = set()
+    s, cc = MinhashSettings(), f"{tmp}/cc"
     for rank, t in enumerate(tasks):
-        path = os.path.join(out, f"{rank:06d}.remove")
-        if os.path.exists(path):
-            removed.update(t[d] for d in np.fromfile(path, dtype="<u4").tolist())
-    return set(range(tasks[-1].stop)) - removed, read_clusters(out, tasks)
+        atomic_json(f"{tmp}/ids/{rank:05d}.json", [str(i) for i in t])
+    parts, last = s.cluster_parts, 2 * s.cluster_rounds
+    steps = [CCEdges(pairs, cc, TASKS)] + [CCStep(cc, k, TASKS) for k in range(1, last + 1)]
+    for step in steps:
+        for p in range(parts):
+            step.run(rank=p, world_size=parts)
+    CCFinish(cc, last, TASKS, parts).run()
+    for p in range(parts):
+        ClusterKeep(cc, f"{tmp}/remove", tmp, 0).run(rank=p, world_size=parts)
+    write_report(cc, parts, f"{tmp}/near.jsonl")
+    cluster = {}
+    with open(f"{tmp}/near.jsonl") as f:
+        for c in map(json.loads, f):
+            cluster.update((int(d), int(c["kept"])) for d in [c["kept"], *c["removed"]])
+    removed = {t[d] for rank, t in enumerate(tasks) for d in near_removals(f"{tmp}/remove", rank).tolist()}
+    return set(range(tasks[-1].stop)) - removed, cluster
 
 
 def run_datasketch(texts: list[str]) -> dict:
