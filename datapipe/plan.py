@@ -2,7 +2,8 @@
 
 It measures instead of guessing: a sample of the real input (the first records of input files spread over
 each source, `sample_mb` in all, split between sources by their input bytes) is built for real, with the
-same config, in one worker; each stage's time is then scaled to the whole corpus by what it grows with:
+same config, in one worker (BPE encoding single-threaded, as in the build's workers); each stage's time is
+then scaled to the whole corpus by what it grows with:
 
 - per-piece stages (scan, tokenize): seconds per input byte × corpus bytes, run as waves of
   min(pieces, cpus) tasks (a wave lasts as long as its largest piece);
@@ -152,7 +153,16 @@ def make_plan(cfg: BuildConfig, nodes: int, cpus_per_node: int, sample_mb: float
             if s.format in ("auto", "parquet", "text"):
                 s.format = "jsonl"
         build = Build(scfg, workers=1, fresh=True)
-        res = build.run(progress=progress)
+        old = os.environ.get("TOKENIZERS_PARALLELISM")
+        if cpus > 1:  # timed as the build's workers run: one process per CPU, BPE encoding single-threaded
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            res = build.run(progress=progress)
+        finally:
+            if old is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = old
         scale_docs = _decompressed_total(files, sizes)
         ratio = scale_docs / max(1, raw_sample)
         plan = Plan(input_bytes=scale_docs, pieces=len(files), cpus=cpus, sample_bytes=raw_sample)
