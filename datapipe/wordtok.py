@@ -131,6 +131,7 @@ _CHUNKS_MAX = 200_000
 
 _LINES: dict[str, tuple[str, ...]] = {}  # the last documents' lines: filters re-split rewritten texts
 _LINES_MAX = 4096
+_LINE_CHARS = 2048  # longer lines are not remembered: the memo stays under ~8M characters of keys
 
 
 def tokenize_words(text: str) -> list[str]:
@@ -141,10 +142,13 @@ def tokenize_words(text: str) -> list[str]:
     for line in text.split("\n"):
         hit = memo.get(line)
         if hit is None:
+            if len(line) > _LINE_CHARS:
+                out += _tokenize_line(line)
+                continue
             if len(memo) >= _LINES_MAX:
                 memo.clear()
             hit = memo[line] = tuple(_tokenize_line(line))
-        out.extend(hit)
+        out += hit
     return out
 
 
@@ -154,9 +158,11 @@ def _tokenize_line(text: str) -> list[str]:
     for chunk in text.split():
         hit = get(chunk)
         if hit is None:
-            if len(_CHUNKS) >= _CHUNKS_MAX:
-                _CHUNKS.clear()
-            hit = _CHUNKS[chunk] = _chunk_tokens(chunk)
+            hit = _chunk_tokens(chunk)
+            if len(chunk) <= 64:  # bounded memory: at most 200k short chunks (URLs and the like are not kept)
+                if len(_CHUNKS) >= _CHUNKS_MAX:
+                    _CHUNKS.clear()
+                _CHUNKS[chunk] = hit
         out += hit
     return out
 
