@@ -29,7 +29,7 @@ def fineweb_filters() -> list[FilterSpec]:
 @dataclass
 class ChatConfig:
     """How a `format: chat` source's conversations (or a `format: preference` source's pairs) become tokens
-    and a loss mask (see datapipe.chat, datapipe.preference)."""
+    and a loss mask (see storage.chat, datapipe.preference)."""
     template: str = "chatml"  # built-in (chatml, smollm3), a tokenizer_config.json or a .jinja file
     train_on: Literal["assistant", "last_assistant", "all"] = "assistant"  # tokens that carry loss
     max_tokens: int = 4096  # longer conversations are rejected (too_long), or cut with truncate

@@ -37,7 +37,7 @@ from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from datapipe import executors, slurm
-from datapipe.chat import load_template, template_special_tokens
+from storage.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
 from datapipe.decisions import FilterAndRecord, Select
 from datapipe.decontaminate import Decontaminate, load_index

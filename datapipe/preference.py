@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from datapipe.chat import ConversationError, render, token_mask, validate_conversation
+from storage.chat import ConversationError, render, token_mask, validate_conversation
 from datapipe.config import ChatConfig, NormalizeConfig
 from datapipe.normalize import normalize_text
 

@@ -5,7 +5,7 @@ document order never depends on the number of workers). Bad records never stop a
 JSONL line, bytes that are not UTF-8, a missing or non-string text field, an empty or oversized
 document are written to `rejects/read/` with file, line and reason, and counted.
 
-A `format: chat` source is JSONL of conversations: each record is checked (`datapipe.chat`), its message
+A `format: chat` source is JSONL of conversations: each record is checked (`storage.chat`), its message
 contents normalised, and it is rendered by the source's chat template when read; the document's text is
 the rendered conversation (so dedup runs on it unchanged) and `metadata["loss_spans"]` holds the
 character spans that carry loss. A bad conversation is rejected with its reason code, counted as
@@ -26,7 +26,7 @@ from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
-from datapipe.chat import ConversationError, render, validate_conversation
+from storage.chat import ConversationError, render, validate_conversation
 from datapipe.config import NormalizeConfig, SourceConfig
 from datapipe.normalize import normalize_text
 from datapipe.preference import read_pair

@@ -11,7 +11,7 @@ import os
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
-from datapipe.chat import load_template, template_special_tokens
+from storage.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
 from datapipe.filters import build_filter, filter_label, word_tokenizer
 from datapipe.sources import InputFile

@@ -22,7 +22,7 @@ import numpy as np
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
-from datapipe.chat import token_mask
+from storage.chat import token_mask
 from datapipe.config import ChatConfig
 from datapipe.preference import encode_pairs, pair_id
 from datapipe.shardout import ShardOut, TaskShards

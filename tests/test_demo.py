@@ -24,7 +24,7 @@ def test_demo_runs_end_to_end(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     assert "resumed at step 20" in res.stdout + res.stderr
-    # a clean console (train.console): library warnings in each run's logs/, no megatron "overwriting"
+    # a clean console (train.monitor.console): library warnings in each run's logs/, no megatron "overwriting"
     console = res.stdout + res.stderr
     assert "UserWarning" not in console and "Overwriting old incomplete" not in console, console[-6000:]
     assert "Transformer Engine and Apex are not installed" in (out / "run" / "logs" / "rank0.log").read_text()
@@ -107,7 +107,7 @@ def _check_export(hf, data, manifest):
     weights shaped as its config.json says, and the dataset's own tokenizer and EOS."""
     from safetensors import safe_open
 
-    from train.models import ModelConfig
+    from train.model.gpt import ModelConfig
 
     config = json.loads((hf / "config.json").read_text())
     assert (hf / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()

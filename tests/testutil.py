@@ -190,7 +190,7 @@ def megatron_one_rank(store_dir):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from train import cpu_compat
+    from train.model import cpu_compat
 
     cpu_compat.install()
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=0, world_size=1)

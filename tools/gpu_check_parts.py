@@ -29,8 +29,8 @@ class Skip(Exception):
 
 
 def recompute_modes() -> list[str]:
-    """recompute off, and selective when the model config has `recompute` (train/models.py)."""
-    from train.models import ModelConfig
+    """recompute off, and selective when the model config has `recompute` (train/model/gpt.py)."""
+    from train.model.gpt import ModelConfig
 
     return ["none", "selective"] if "recompute" in {f.name for f in dataclasses.fields(ModelConfig)} else ["none"]
 
@@ -63,7 +63,7 @@ def predict(cfg_dict: dict, flash: bool) -> dict:
 
     from storage import config as cfgmod
     from train.config import TrainConfig
-    from train.estimate import estimate
+    from train.monitor.estimate import estimate
 
     return estimate(cfgmod.from_dict(TrainConfig, copy.deepcopy(cfg_dict)), 1, flash_attention=flash)
 

@@ -1,14 +1,20 @@
-"""smoltrain train: a Megatron-core GPT trainer (TP × PP × DP) with monitoring, alerts and checkpoints.
+"""smoltrain train: a Megatron-core GPT trainer (TP × PP × DP) with monitoring, alerts, checkpoints,
+evaluation and post-training objectives.
 
-Entry point: the `train` command (`train.cli`: launch, estimate, plot; `ckpt` from train.checkpoint).
-- `config`: `TrainConfig`, validated before any process starts (errors name the key).
-- `models`: presets (tiny, SmolLM2 135m/360m/1.7b, SmolLM3 3b) → TransformerConfig → GPTModel.
-- `parallel`: process groups, Megatron-style seeds per TP/PP rank, DDP wrapping.
-- `optim`: megatron AdamW (plain or distributed), cosine / WSD schedules, clipping, spike detection.
-- `data`: storage's streaming loader (or synthetic tokens) per DP rank.
-- `metrics`: FLOPs/token, MFU, memory, console/JSONL/TensorBoard sinks, alerts.
-- `trainer`: the `Trainer` (state in `trainer.state`, a `train.state.TrainState`); `run`: torchrun entry.
-- `launch`: torchrun (single node, c10d multi-node) and Slurm sbatch; `estimate`; `plot`.
-- `cpu_compat`: lets megatron-core run under gloo without CUDA (tests); a no-op with CUDA.
-See docs/train.md.
+Entry point: the `train` command (`cli`: launch, eval, generate, refs, estimate, plot; `ckpt` from
+train.checkpoint). The top level holds the run itself: `config` (`TrainConfig`, validated before any
+process starts), `launch` (torchrun, multi-node, Slurm), `run` (the torchrun worker), `trainer` (the
+generic `Trainer`, which names no objective), `optim` (AdamW, schedules, clipping, spike detection),
+`rampup` (batch-size ramp-up), `state` (`TrainState`, what a checkpoint saves), `data` (the loader an
+objective reads, per DP rank). Each concern below it is a package, lowest layer first:
+
+- `model`: presets → megatron GPTModel, precision, parallel groups and seeds, document masking, CPU shim;
+- `monitor`: metrics, MFU, communication share, console and logs, plots, the estimator;
+- `checkpoint`: async, incremental, atomic checkpoints, resume, offload, HF export/import, merges;
+- `generation`: text generation from a checkpoint or a HF folder;
+- `eval`: validation loss and benchmarks, in the loop and on checkpoints;
+- `objectives`: the `Objective` interface and registry; pretrain, sft, dpo.
+A module imports only storage, its own package and the layers before it; `train.state` and
+`train.config` may be imported from anywhere. tests/train/test_train_layout.py checks it, and that no
+import circle exists. See docs/architecture.md and docs/train.md.
 """

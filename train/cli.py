@@ -14,7 +14,7 @@ from train.config import TrainConfig
 @click.group()
 def main() -> None:
     """Megatron-core GPT training: launch, eval, generate, estimate, plot, ckpt."""
-    from train import console
+    from train.monitor import console
 
     console.ignore_expected()  # megatron's "TE/Apex not installed" at import (export, generate, merge)
 
@@ -162,8 +162,8 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
 @click.option("--no-flash", is_flag=True, help="Count the attention-score activations (no fused attention).")
 def estimate(config_path, preset, overrides, gpus, mfu, no_flash):
     """Parameters, FLOPs/token, memory per GPU and tokens/s for CONFIG, or for --preset NAME alone."""
-    from train.estimate import estimate as est
-    from train.estimate import format_estimate
+    from train.monitor.estimate import estimate as est
+    from train.monitor.estimate import format_estimate
 
     if not config_path and not preset:
         raise click.UsageError("give a CONFIG or --preset NAME")
@@ -195,7 +195,7 @@ def generate(model, prompt, system, no_chat, max_new_tokens, temperature, top_p,
     template's end-of-turn token or EOS, print the reply. MODEL is a checkpoint (step_… folder, or a run
     dir / checkpoints folder: its newest) or a Hugging Face folder. The template: the HF folder's (or an
     imported checkpoint's) tokenizer_config, else the dataset manifest's chat_template, else ChatML."""
-    from train.generate import GenerateError, generate as gen
+    from train.generation.chat import GenerateError, generate as gen
 
     try:
         out = gen(model, prompt, system=system, chat=not no_chat, max_new_tokens=max_new_tokens,
@@ -243,7 +243,7 @@ def refs(reference, dataset, nproc, overrides):
         with open(spec, "w") as f:
             json.dump({"config": os.path.join(tmp, "config.yaml"), "reference": cfg.init, "splits": splits}, f)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "train.refs", spec]
+               "-m", "train.objectives.refs", spec]
         click.echo("+ " + shlex.join(cmd))
         sys.exit(subprocess.call(cmd))
 
@@ -253,7 +253,7 @@ def refs(reference, dataset, nproc, overrides):
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="PNG path (default RUN_DIR/metrics.png).")
 def plot(run_dir, out):
     """Plot RUN_DIR/metrics.jsonl to a PNG (and in-loop evaluations to eval.png beside it)."""
-    from train.plot import plot as do_plot
+    from train.monitor.plot import plot as do_plot
 
     try:
         path = do_plot(run_dir, out)

@@ -1,6 +1,6 @@
 """`TrainConfig`: the typed `train launch` config, validated before any process starts.
 
-Sections: model (train.models.ModelConfig), parallel, data (storage.loader's LoaderConfig keys), optim, spike,
+Sections: model (train.model.gpt.ModelConfig), parallel, data (storage.loader's LoaderConfig keys), optim, spike,
 monitor, alerts, launch (torchrun / Slurm), checkpoint (train.checkpoint CheckpointConfig), eval
 (train.eval.config.EvalConfig), debug.
 Errors name the key (`parallel.tp`, `data.seq_len`, ...). Checks that need the world size
@@ -14,10 +14,11 @@ from typing import Literal
 
 from storage.config import ConfigError
 from storage.loader.config import LoaderConfig
+from train import objectives
 from train.checkpoint.config import CheckpointConfig
 from train.eval.config import EvalConfig
-from train.models import ModelConfig
-from train.preference import DPOConfig
+from train.model.gpt import ModelConfig
+from train.objectives.preference import DPOConfig
 
 
 @dataclass
@@ -26,7 +27,7 @@ class DataConfig(LoaderConfig):
     set: `TrainConfig.check_data` requires it otherwise, before any process starts."""
     seq_len: int = 256
     # Keep packed documents apart: positions restart and attention stays within each document (EOS ends
-    # a document in pretraining rows). null: on for objective sft, off for pretrain.
+    # a document in pretraining rows). null: the objective's default (on for sft, off for pretrain and dpo).
     document_masking: bool | None = None
     # A later stage (mid-training, annealing) started with --init from the previous one reweights the
     # same dataset with this; pretraining objective only.
@@ -129,7 +130,7 @@ class MonitorConfig:
     log_every: int = 10              # steps between console/JSONL/TensorBoard records
     tensorboard: bool = True         # also write TensorBoard events to RUN_DIR/tb
     peak_flops: float | None = None  # per device; null: H100/H200 defaults on CUDA, MFU off on CPU
-    comm_share: bool = True          # time collectives (train.comm) and log comm_share: the step's share blocked in them
+    comm_share: bool = True          # time collectives (train.monitor.comm) and log comm_share: the step's share blocked in them
 
 
 @dataclass
@@ -197,9 +198,11 @@ class TrainConfig:
     seed: int = 1234                 # model seed; the data seed is data.seed (shared by DP ranks)
     # pretrain: next-token loss on every token of a token stream; sft: whole documents packed best-fit
     # decreasing, loss on the tokens their mask marks, normalised by the global count of such tokens
-    # dpo: preference pairs (global_batch_size and micro_batch_size count pairs), the `dpo` section's loss
-    objective: Literal["pretrain", "sft", "dpo"] = "pretrain"
-    epochs: float | None = None      # sft / dpo: passes over the dataset; sets steps (schedules span them)
+    # dpo: preference pairs (global_batch_size and micro_batch_size count pairs), the `dpo` section's loss;
+    # or an objective a module in `imports` registers (train.objectives)
+    objective: str = "pretrain"
+    imports: list[str] = field(default_factory=list)  # Python modules every process imports first (plugins: objectives)
+    epochs: float | None = None      # objectives over whole conversations or pairs (sft, dpo): passes over the dataset; sets steps (schedules span them)
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # bf16: bf16 weights/activations, fp32 master + grads; fp8: bf16 + FP8 GEMMs via Transformer Engine (GPU >= sm89)
     init: str | None = None          # start from this checkpoint's weights (fresh optimizer/schedule/data, step 0; model shape from it); resume wins
     init_keep_optimizer: bool = False  # with init (a new stage): also load its optimizer state (AdamW moments, step); schedule, data and step still start fresh
@@ -220,12 +223,14 @@ class TrainConfig:
         """Checks that need no world size; run on every load."""
         if self.steps < 1:
             raise ConfigError(f"key 'steps': must be >= 1, got {self.steps}")
-        if self.epochs is not None and (self.objective == "pretrain" or self.epochs <= 0):
-            raise ConfigError(f"key 'epochs': needs objective sft or dpo and a positive value, got {self.epochs} "
-                              f"with objective {self.objective}")
-        if self.objective == "dpo":
-            self.dpo.validate()
-        if self.data.mix and self.objective != "pretrain":
+        objectives.import_plugins(self.imports)
+        objective = objectives.get(self.objective)
+        stream = objective.data == "tokens"  # an endless token stream, not whole rows with epochs
+        if self.epochs is not None and (stream or self.epochs <= 0):
+            raise ConfigError(f"key 'epochs': needs an objective over whole rows (sft, dpo) and a positive value, "
+                              f"got {self.epochs} with objective {self.objective}")
+        objective.validate(self)
+        if self.data.mix and not stream:
             raise ConfigError(f"key 'data.mix': reweights pretraining sources; objective {self.objective} reads "
                               "every conversation or pair of its dataset")
         for src, w in self.data.mix.items():
@@ -233,10 +238,10 @@ class TrainConfig:
                 raise ConfigError(f"key 'data.mix.{src}': weight must be > 0, got {w!r}")
         if self.data.document_masking and self.debug.synthetic_data:
             raise ConfigError("key 'data.document_masking': synthetic data has no documents")
-        if self.objective != "pretrain" and self.debug.synthetic_data:
+        if not stream and self.debug.synthetic_data:
             raise ConfigError(f"key 'objective': {self.objective} needs a dataset (debug.synthetic_data has none)")
         r = self.parallel.batch_rampup
-        if r is not None and self.objective != "pretrain":
+        if r is not None and not stream:
             raise ConfigError(f"key 'parallel.batch_rampup': pretraining only (objective {self.objective} has "
                               "rows of packed conversations or pairs, cut per batch)")
         if r is not None and r.over_tokens < self.data.seq_len:
@@ -290,6 +295,8 @@ class TrainConfig:
         """precision fp8 needs Transformer Engine and CUDA GPUs of compute capability >= 8.9 here."""
         if self.precision != "fp8":
             return
+        from train.model.precision import fp8_unsupported_reasons
+
         reasons = fp8_unsupported_reasons()
         if reasons:
             raise ConfigError("key 'precision': fp8 runs through Transformer Engine on a GPU of compute "
@@ -297,10 +304,9 @@ class TrainConfig:
                               "Use precision bf16")
 
     def check_data(self) -> None:
-        """The dataset must exist (unless synthetic) and fit the model's vocabulary; dpo needs a reference."""
-        if self.objective == "dpo" and not (self.init or self.dpo.reference_checkpoint):
-            raise ConfigError("key 'dpo.reference_checkpoint': objective dpo needs a reference model: set it, "
-                              "or start from one with --init (init:), which is then the reference")
+        """The dataset must exist (unless synthetic) and fit the model's vocabulary; the objective's own
+        checks (dpo: a reference)."""
+        objectives.get(self.objective).check_data(self)
         if self.eval.tasks:
             self.eval.load_tasks()  # unknown names and malformed task files fail here, before torchrun
             if self.debug.synthetic_data or not self.data.dataset:
@@ -327,7 +333,9 @@ class TrainConfig:
                               f"{man.tokenizer.vocab_size}")
 
     def document_masking(self) -> bool:
-        return self.objective == "sft" if self.data.document_masking is None else self.data.document_masking
+        if self.data.document_masking is None:
+            return objectives.get(self.objective).document_masking
+        return self.data.document_masking
 
     def resolved_for_data(self) -> TrainConfig:
         """A copy whose model vocab is the dataset tokenizer's when model.vocab_size is null, and whose
@@ -343,16 +351,9 @@ class TrainConfig:
             vocab = read_manifest(self.data.dataset).tokenizer.vocab_size
             out = dataclasses.replace(out, model=dataclasses.replace(self.model, vocab_size=vocab))
         if self.epochs is not None:
-            if self.objective == "dpo":
-                from storage.loader.pairs import PairLoader
+            from train.data import rows_in_epochs
 
-                with PairLoader(self.data, 1) as ld:
-                    rows = ld.pairs_in_epochs(self.epochs)
-            else:
-                from storage.loader.conversations import ConversationLoader
-
-                with ConversationLoader(self.data, 1) as ld:
-                    rows = ld.rows_in_epochs(self.epochs)
+            rows = rows_in_epochs(self.data, objectives.get(self.objective).data, self.epochs)
             steps = rows // self.parallel.global_batch_size
             if steps < 1:
                 raise ConfigError(f"key 'epochs': {self.epochs} epochs of {rows} rows (pairs) make no global batch "
@@ -360,50 +361,3 @@ class TrainConfig:
             out = dataclasses.replace(out, steps=steps, stop_at=None if self.stop_at is None else min(self.stop_at,
                                                                                                       steps))
         return out
-
-
-FP8_MIN_CAPABILITY = (8, 9)
-
-
-def fp8_unsupported_reasons() -> list[str]:
-    """Why FP8 training cannot run in this process: no CUDA GPU, a GPU older than compute capability 8.9,
-    Transformer Engine missing (or failing to import), or TE's own FP8 check. Empty when it can."""
-    import importlib.util
-
-    import torch
-
-    reasons = []
-    if not torch.cuda.is_available():
-        reasons.append("no CUDA GPU is visible")
-    else:
-        for i in range(torch.cuda.device_count()):
-            cap = tuple(torch.cuda.get_device_capability(i))
-            if cap < FP8_MIN_CAPABILITY:
-                reasons.append(f"GPU {i} ({torch.cuda.get_device_name(i)}) has compute capability "
-                               f"{cap[0]}.{cap[1]}, FP8 needs >= {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}")
-                break
-    if importlib.util.find_spec("transformer_engine") is None:
-        reasons.append("Transformer Engine is not installed (pip install transformer-engine[pytorch])")
-    elif not reasons:
-        try:
-            import transformer_engine.pytorch  # noqa: F401
-            from transformer_engine.pytorch import fp8 as te_fp8
-        except Exception as e:  # noqa: BLE001 - a broken TE install is a reason like any other
-            reasons.append(f"Transformer Engine fails to import ({type(e).__name__}: {e})")
-        else:
-            check = getattr(te_fp8, "check_fp8_support", None)
-            ok, why = check() if check is not None else (True, "")
-            if not ok:
-                reasons.append(f"Transformer Engine reports no FP8 support: {why}")
-    return reasons
-
-
-def fp8_transformer_kwargs(precision: str) -> dict:
-    """megatron TransformerConfig keywords for `precision` (empty unless fp8): Megatron-LM's
-    `--fp8-format hybrid` (E4M3 forward, E5M2 gradients) with delayed scaling over an amax history of
-    1024 steps (max), weights kept in bf16 (the FP8 casts happen inside TE's layers). Only meaningful with
-    the Transformer Engine layer spec, which check_precision guarantees is available."""
-    if precision != "fp8":
-        return {}
-    return {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_margin": 0, "fp8_amax_history_len": 1024,
-            "fp8_amax_compute_algo": "max", "fp8_wgrad": True}

@@ -1,6 +1,6 @@
-"""The trainer's data source: storage's streaming `TokenLoader` (pretraining), its `ConversationLoader`
-(objective sft: whole documents packed), its `PairLoader` (objective dpo: preference pairs), or in-memory
-synthetic tokens.
+"""The trainer's data source, by the kind of rows an objective reads (train.objectives `data`): storage's
+streaming `TokenLoader` ("tokens": pretraining windows), its `ConversationLoader` ("conversations": whole
+documents packed), its `PairLoader` ("pairs": preference pairs), or in-memory synthetic tokens.
 
 Every rank of a DP replica (its TP and PP peers) opens the same loader slice, so no broadcast is needed;
 the order is global and DP-independent (storage/loader), so a resume may change the DP size.
@@ -11,8 +11,6 @@ import dataclasses
 import time
 
 import torch
-
-from train.config import TrainConfig
 
 
 class SyntheticLoader:
@@ -53,24 +51,18 @@ class SyntheticLoader:
         pass
 
 
-def make_loader(cfg: TrainConfig, par):
-    """This rank's loader for its DP slice of every global batch; under a batch ramp-up, of every unit of
-    micro_batch_size × DP sequences, a step taking as many units as its batch needs (train.rampup)."""
+def make_loader(cfg, par, kind: str = "tokens"):
+    """This rank's loader of `kind` rows (a TrainConfig `cfg`) for its DP slice of every global batch;
+    under a batch ramp-up, of every unit of micro_batch_size × DP sequences, a step taking as many units
+    as its batch needs (train.rampup)."""
     p = cfg.parallel
     gbs = p.micro_batch_size * par.dp if p.batch_rampup else p.global_batch_size
     if cfg.debug.synthetic_data:
         return SyntheticLoader(cfg.model.resolved().vocab_size, cfg.data.seq_len, gbs, cfg.data.seed, par.dp_rank,
                                par.dp)
-    if cfg.objective == "dpo":
-        from storage.loader.pairs import PairLoader
-
-        return PairLoader(cfg.data, global_batch_size=cfg.parallel.global_batch_size, dp_rank=par.dp_rank,
-                          dp_size=par.dp)
-    if cfg.objective == "sft":
-        from storage.loader.conversations import ConversationLoader
-
-        return ConversationLoader(cfg.data, global_batch_size=cfg.parallel.global_batch_size, dp_rank=par.dp_rank,
-                                  dp_size=par.dp)
+    if kind in EPOCH_LOADERS:
+        return EPOCH_LOADERS[kind]()(cfg.data, global_batch_size=p.global_batch_size, dp_rank=par.dp_rank,
+                                     dp_size=par.dp)
     from storage.loader.loader import TokenLoader
     from storage.manifest import Phase
 
@@ -79,3 +71,23 @@ def make_loader(cfg: TrainConfig, par):
     if par.device.type == "cuda" and lcfg.device == "cpu":
         lcfg = dataclasses.replace(lcfg, device=str(par.device))  # pinned memory + side stream
     return TokenLoader(lcfg, global_batch_size=gbs, dp_rank=par.dp_rank, dp_size=par.dp, mix=mix)
+
+
+def _pairs():
+    from storage.loader.pairs import PairLoader
+    return PairLoader
+
+
+def _conversations():
+    from storage.loader.conversations import ConversationLoader
+    return ConversationLoader
+
+
+# loaders over a finite set of whole rows (epochs are defined); the token stream is endless
+EPOCH_LOADERS = {"pairs": _pairs, "conversations": _conversations}
+
+
+def rows_in_epochs(data_cfg, kind: str, epochs: float) -> int:
+    """Loader rows (pairs, packed rows) in `epochs` passes over the dataset of a `kind` loader."""
+    with EPOCH_LOADERS[kind]()(data_cfg, 1) as ld:
+        return ld.rows_in_epochs(epochs)

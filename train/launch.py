@@ -3,7 +3,7 @@
 `train launch` validates everything that can be validated before a process starts (config, world size,
 dataset), writes the resolved config into the run dir, then runs
 `python -m torch.distributed.run ... -m train.run RUN_DIR/config.yaml`; library warnings and megatron's
-messages go to RUN_DIR/logs/rank<RANK>.log (train.console), the console keeps progress and errors.
+messages go to RUN_DIR/logs/rank<RANK>.log (train.monitor.console), the console keeps progress and errors.
 `--slurm` writes an sbatch script (one task per node: srun → torchrun with c10d rendezvous on the first
 node, `--requeue`, NCCL env).
 """
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from storage import config as cfgmod
-from train import console
+from train.monitor import console
 from train.config import TrainConfig
 
 
@@ -69,7 +69,7 @@ def launch(cfg: TrainConfig, nproc: int | None = None, nnodes: int | None = None
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # each rank (and its checkpoint-writer helpers) logs library warnings and megatron's messages to
-    # RUN_DIR/logs/rank<RANK>.log from its first import on (train.console)
+    # RUN_DIR/logs/rank<RANK>.log from its first import on (train.monitor.console)
     env[console.ENV_DIR] = str((Path(cfg.run_dir) / "logs").resolve())
     return subprocess.call(cmd, env=env)
 

@@ -1,11 +1,12 @@
 """Per-process entry point that `train launch` hands to torchrun: `python -m train.run CONFIG [KEY=VALUE...]`.
 
-The console/log-file routing (train.console) and the CPU compatibility layer are installed at import time,
+The console/log-file routing (train.monitor.console) and the CPU compatibility layer are installed at import time,
 before megatron is imported anywhere: the async checkpoint writer starts processes with `spawn`, which
 re-import this module (as `__mp_main__`) and nothing else. The `__main__` guard keeps those processes from
 re-running training. Library warnings and megatron's messages go to RUN_DIR/logs/rank<RANK>.log.
 """
-from train import console, cpu_compat
+from train.model import cpu_compat
+from train.monitor import console
 
 console.quiet()  # before cpu_compat: its install imports megatron, whose import warns
 cpu_compat.install()

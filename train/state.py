@@ -12,7 +12,8 @@ class TrainState:
     model: megatron model chunks (list, one per virtual pipeline stage; DDP-wrapped);
     optimizer: megatron optimizer (plain or distributed); scheduler: LR scheduler with
     state_dict()/load_state_dict(); loader: the streaming loader (state_dict()/load_state_dict(),
-    DP-independent); step: optimizer steps done; consumed_tokens: global tokens consumed;
+    DP-independent); objective: the train.objectives.Objective (state_dict()/load_state_dict(): the state
+    it keeps, e.g. of models it owns), or None; step: optimizer steps done; consumed_tokens: global tokens consumed;
     extra: small trainer-owned state (skipped-step counters, loss-spike window, ...), JSON-serialisable.
     RNG states (python, numpy, torch CPU/CUDA, megatron's tracker) are captured by the checkpoint module.
     """
@@ -20,6 +21,7 @@ class TrainState:
     optimizer: Any
     scheduler: Any
     loader: Any
+    objective: Any = None
     step: int = 0
     consumed_tokens: int = 0
     extra: dict = field(default_factory=dict)

@@ -1,7 +1,9 @@
 """The `Trainer`: parallel setup → model → data → optimizer/schedule → loop with metrics, alerts, checkpoints.
 
 Read `Trainer.__init__` and `Trainer.train_step` top to bottom; each concern lives in its own module
-(parallel, models, optim, metrics, data, train.checkpoint). Everything a checkpoint needs is
+(train.model, train.optim, train.monitor, train.data, train.checkpoint). What differs between objectives
+is the `Objective`'s (train.objectives, chosen by the config key `objective`): its loader, rows per micro-batch, the
+work before each step, forward and loss, sequences consumed, metrics. Everything a checkpoint needs is
 `trainer.state` (train.state.TrainState).
 """
 from __future__ import annotations
@@ -16,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 from storage import config as cfgmod
-from train import parallel
-from train.comm import CommTimer, window_metrics
+from train import objectives
 from train.config import TrainConfig
 from train.data import make_loader
-from train.docmask import micro_batch, rope_positions
-from train.metrics import Alerts, Sinks, flops_per_token, memory_stats, mfu, peak_flops
-from train.models import build_model
+from train.model import parallel
+from train.model.docmask import rope_positions
+from train.model.gpt import build_model
+from train.monitor.comm import CommTimer, window_metrics
+from train.monitor.metrics import Alerts, Sinks, flops_per_token, memory_stats, mfu, peak_flops
 from train.optim import LRScheduler, SpikeDetector, build_optimizer, clip_and_step, grad_norm
 from train.rampup import BatchSizes
 from train.state import TrainState
@@ -38,13 +41,14 @@ class Trainer:
 
         self.cfg = cfg = cfg.resolved_for_data()
         self.par = par = parallel.init(cfg)
+        objective = objectives.get(cfg.objective)
         self.run_dir = Path(cfg.run_dir)
         if par.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfgmod.save(cfg, self.run_dir / "config.yaml")
 
         chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.bf16_weights(), seed=cfg.seed,
-                             per_token_loss=cfg.objective != "pretrain", precision=cfg.precision)
+                             per_token_loss=objective.per_token_loss, precision=cfg.precision)
         self.model = parallel.wrap_ddp(cfg, chunks)
         tcfg = chunks[0].config
         # The schedule calls these: DP grad all-reduce (or reduce-scatter), tied-embedding and layernorm
@@ -54,26 +58,23 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model)
         self.batches = BatchSizes(cfg.parallel, cfg.data.seq_len, par.dp, par.rank)  # per step (ramp-up)
         self.scheduler = LRScheduler(self.optimizer, cfg.optim, cfg.steps, self.batches)
-        self.loader = make_loader(cfg, par)
-        self.docs = _document_settings(cfg, self.model)
+        self.loader = make_loader(cfg, par, objective.data)
+        self.docs = _document_settings(cfg, objective, self.model)
         self.spikes = SpikeDetector(cfg.spike)
-        self.state = TrainState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                loader=self.loader, extra={"skipped_steps": 0, "nonfinite_steps": 0,
-                                                           "spike_steps": 0, "consecutive_skips": 0})
         self.sinks = Sinks(self.run_dir, cfg.monitor.tensorboard, enabled=par.rank == 0)
+        self.objective = objective(cfg, par, self.model, self.sinks)
+        self.state = TrainState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                loader=self.loader, objective=self.objective,
+                                extra={"skipped_steps": 0, "nonfinite_steps": 0, "spike_steps": 0,
+                                       "consecutive_skips": 0})
         a = cfg.alerts
         self.alerts = Alerts(a.mfu_warn_below, a.memory_stop_above, a.mfu_window, a.comm_share_warn_above)
         self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_flops(cfg.monitor.peak_flops, cfg.precision)
         self.ckpt = _checkpoint_manager(cfg, self.run_dir)
         self.evaluator = _evaluator(cfg, self.model, par, self.sinks) if cfg.eval.every else None
-        self.dpo = None
-        if cfg.objective == "dpo":
-            from train.dpo import DPOObjective
-
-            self.dpo = DPOObjective(cfg, par, self.model, self.sinks)
         self.stop_reason: str | None = None
-        # Time in collectives during train_step (train.comm): DP grad sync, TP exchanges, PP send/recv.
+        # Time in collectives during train_step (train.monitor.comm): DP grad sync, TP exchanges, PP send/recv.
         self.comm = CommTimer() if cfg.monitor.comm_share else None
         if self.comm is not None:
             self.comm.install()
@@ -91,37 +92,23 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
     def _forward_step(self, data_iterator, model):
-        batch = next(data_iterator).to(self.par.device, non_blocking=True)
-        mb = micro_batch(batch[:, :4] if self.dpo else batch, **self.docs)
-        self._rope["positions"] = mb.positions
-        positions = mb.positions if mb.positions is not None else \
-            torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
-        out = model(mb.tokens, positions, mb.attention_mask, labels=mb.labels,  # None: the spec's causal mask
-                    packed_seq_params=mb.packed_seq_params)
-        pairs = batch[0::2, 4, 0] if self.dpo else None
-        return out, partial(self._loss, loss_mask=mb.loss_mask, nonpad=mb.nonpad, step=self.state.step, pairs=pairs)
+        rows = next(data_iterator).to(self.par.device, non_blocking=True)
+        out, loss_func = self.objective.forward(model, rows, self.docs, self._rope)
+        return out, partial(self._loss, loss_func, self.state.step)
 
-    def _loss(self, token_losses, loss_mask, nonpad: torch.Tensor, step: int, pairs=None):
-        if pairs is not None:  # objective dpo: per-pair losses over this micro-batch's pairs
-            total, n, report = self.dpo.loss(token_losses, loss_mask, pairs, nonpad)
-            return self._debug_scale(total, step), n, {"lm_loss": report}
-        losses = token_losses.float()
-        if loss_mask is not None:
-            losses = losses * loss_mask.reshape(losses.shape)
-        total = self._debug_scale(losses.sum(), step)
-        n = torch.tensor(losses.numel(), dtype=torch.int, device=total.device) if loss_mask is None \
-            else loss_mask.sum().to(torch.int)
-        # (loss, tokens, report): for pretraining megatron divides by tokens and micro-batches; for sft
-        # (calculate_per_token_loss) it keeps sums and divides the gradients by the global token count.
-        report = torch.stack([total.detach().double(), n.double(), nonpad.double()])
+    def _loss(self, loss_func, step: int, output):
+        """The objective's (loss sum, count, report) in megatron's loss-function form. For pretraining
+        megatron divides the loss by tokens and micro-batches; for per-token objectives it keeps sums and
+        divides the gradients by the step's global count."""
+        total, n, report = loss_func(output)
+        d = self.cfg.debug
+        if step in (d.inject_nan_step, d.inject_spike_step):  # tests of the skip and spike paths
+            if step == d.inject_nan_step:
+                total = total * float("nan")
+            if step == d.inject_spike_step:
+                total = total * 100.0
+            report = torch.cat([total.detach().double().reshape(1), report[1:]])
         return total, n, {"lm_loss": report}
-
-    def _debug_scale(self, total: torch.Tensor, step: int) -> torch.Tensor:
-        if step == self.cfg.debug.inject_nan_step:
-            total = total * float("nan")
-        if step == self.cfg.debug.inject_spike_step:
-            total = total * 100.0
-        return total
 
     def train_step(self) -> dict:
         with self._measuring():
@@ -133,13 +120,11 @@ class Trainer:
         cfg, st = self.cfg, self.state
         gbs = self.batches.at(st.consumed_tokens // cfg.data.seq_len)  # this step's global batch
         t0 = time.perf_counter()
-        # this rank's rows: [rows, seq_len + 1], or [rows, 4|5, seq_len] (train.docmask)
+        # this rank's rows: [rows, seq_len + 1], or [rows, 4|5, seq_len] (train.model.docmask)
         batch = self.batches.take(self.loader, gbs)
         data_wait = time.perf_counter() - t0
-        mbs = self.dpo.rows_per_micro() if self.dpo else cfg.parallel.micro_batch_size  # rows per micro-batch
-        if self.dpo:
-            batch = self.dpo.trim(batch)
-            self.dpo.before_step(batch)
+        mbs = self.objective.rows_per_micro()
+        batch = self.objective.before_step(batch)
         micro = batch.split(mbs)
 
         for m in self.model:
@@ -179,13 +164,12 @@ class Trainer:
             self._count_skip(skip, loss, norm)
 
         st.step += 1
-        sequences = gbs * (2 if self.dpo else 1)  # a dpo pair is two
+        sequences = self.objective.sequences(gbs)
         st.consumed_tokens += sequences * cfg.data.seq_len
         return {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": skip is not None, "global_batch_size": gbs,
                 "sequences": sequences,
                 "step_time_s": time.perf_counter() - t0, "data_wait_s": data_wait, "loss_tokens": loss_tokens,
-                "nonpad_tokens": nonpad, "width": batch.shape[-1],
-                **(self.dpo.record(report) if self.dpo else {})}
+                "nonpad_tokens": nonpad, "width": batch.shape[-1], **self.objective.record(report)}
 
     def docs_seq_len(self, mbs: int, batch: torch.Tensor) -> int:
         """The sequence length the pipeline schedule sends between stages: the model's input width (a
@@ -197,9 +181,7 @@ class Trainer:
     def _global_report(self, reports: list) -> torch.Tensor:
         """The micro-batch reports summed over the global batch: (loss sum, loss tokens or pairs, non-padding
         tokens, objective metrics...), known on every rank (decisions must agree)."""
-        from train.preference import METRICS
-
-        t = torch.zeros(3 + (len(METRICS) if self.dpo else 0), dtype=torch.float64, device=self.par.device)
+        t = torch.zeros(3 + len(self.objective.report_fields), dtype=torch.float64, device=self.par.device)
         if self.par.is_last_stage and self.par.tp_rank == 0:
             for r in reports:
                 t += r["lm_loss"].to(t)
@@ -233,8 +215,7 @@ class Trainer:
 
             load_weights(self.model, self.optimizer, cfg.init)
             self.sinks.event(st.step, "init", f"weights from {cfg.init} (fresh optimizer, schedule, data)")
-        if self.dpo:
-            self.dpo.prepare(st.step)
+        self.objective.prepare(st.step)
         window, last = [], {}
         try:
             while st.step < cfg.steps:
@@ -247,8 +228,7 @@ class Trainer:
                 if self.evaluator is not None and (st.step % cfg.eval.every == 0 or st.step == cfg.steps):
                     t_eval = time.perf_counter()
                     metrics, _ = self.evaluator.run()  # its wall time is logged apart from tokens/s and MFU
-                    if self.dpo:
-                        metrics |= self.dpo.evaluate()
+                    metrics |= self.objective.evaluate()
                     metrics["eval_time_s"] = time.perf_counter() - t_eval
                     self.sinks.log_eval(st.step, st.consumed_tokens, metrics)
                 if cfg.stop_at is not None and st.step >= cfg.stop_at and not self.stop_reason:
@@ -266,17 +246,6 @@ class Trainer:
         elapsed = sum(w["step_time_s"] for w in window)
         tokens = sum(w["sequences"] for w in window) * cfg.data.seq_len  # each step's own batch (ramp-up)
         tps = tokens / elapsed if elapsed > 0 else 0.0
-        if cfg.objective != "pretrain":  # padding is computed but not data: report both
-            nonpad = sum(w["nonpad_tokens"] for w in window)
-            sft = {"nonpad_tokens_per_s": nonpad / elapsed if elapsed > 0 else 0.0,
-                   "packing_efficiency": nonpad / tokens,
-                   ("pairs" if self.dpo else "loss_tokens"): window[-1]["loss_tokens"]}
-        else:
-            sft = {}
-        if self.dpo:
-            sft["row_width"] = sum(w["width"] for w in window) / len(window)  # batches are cut after the longest
-            sft |= {k: window[-1][k] for k in ("rewards_chosen", "rewards_rejected", "reward_margin",
-                                               "reward_accuracy", "logps_chosen", "logps_rejected") if k in window[-1]}
         mem = memory_stats()
         mem["fraction"] = parallel.all_reduce_max(mem["fraction"], par.device)
         # time blocked in collectives / step time over this window: mean and worst over ranks, and by kind
@@ -287,7 +256,8 @@ class Trainer:
                "data_wait_share": sum(w["data_wait_s"] for w in window) / elapsed if elapsed > 0 else 0.0,
                "mfu": mfu(tps / par.world, self.fpt, self.peak), "consumed_tokens": st.consumed_tokens,
                "skipped_steps": st.extra["skipped_steps"], "nonfinite_steps": st.extra["nonfinite_steps"],
-               "spike_steps": st.extra["spike_steps"], "mem_fraction": mem.pop("fraction"), **comm, **mem, **sft}
+               "spike_steps": st.extra["spike_steps"], "mem_fraction": mem.pop("fraction"), **comm, **mem,
+               **self.objective.log_fields(window, tokens, elapsed)}
         self.sinks.log(rec)
         warnings, stop = self.alerts.check(rec)
         for w in warnings:
@@ -305,15 +275,16 @@ class Trainer:
             self.ckpt.wait()
             self.ckpt.close()
             self.ckpt = None
+        self.objective.close()
         self.loader.close()
         self.sinks.close()
 
 
-def _document_settings(cfg: TrainConfig, model: list) -> dict:
-    """micro_batch's settings: document masking, the EOS that ends pretraining documents, and whether
-    attention takes packed sequences (Transformer Engine's thd format) instead of an explicit mask."""
+def _document_settings(cfg: TrainConfig, objective, model: list) -> dict:
+    """micro_batch's settings: document masking, the EOS that ends documents in token-stream rows, and
+    whether attention takes packed sequences (Transformer Engine's thd format) instead of an explicit mask."""
     eos = None
-    if cfg.document_masking() and cfg.objective == "pretrain":
+    if cfg.document_masking() and objective.data == "tokens":
         from storage.manifest import read_manifest
 
         eos = read_manifest(cfg.data.dataset).tokenizer.eos_id

@@ -133,8 +133,9 @@ class PairLoader(BackgroundBatches):
         """Pairs per epoch (all pairs of all preference sources)."""
         return self.pairs.n
 
-    def pairs_in_epochs(self, epochs: float) -> int:
-        """Pairs in the first `epochs` epochs (a fraction counts that share of an epoch's pairs)."""
+    def rows_in_epochs(self, epochs: float) -> int:
+        """Pairs (this loader's rows: global_batch_size counts pairs) in the first `epochs` epochs (a fraction
+        counts that share of an epoch's pairs)."""
         whole = int(epochs)
         return whole * self.pairs.n + int((epochs - whole) * self.pairs.n)
 

@@ -3,7 +3,7 @@ CheckpointManager saves/resume. Writes the per-step (loss, grad norm) trace as J
 
     torchrun --nproc-per-node N ckpt_worker.py --run-dir DIR --steps S [--tp --pp --distopt --resume ...]
 """
-from train import cpu_compat
+from train.model import cpu_compat
 
 cpu_compat.install()  # at import: dist_checkpointing's async writer re-imports __main__
 
@@ -58,7 +58,7 @@ def build(args):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from train.models import ModelConfig, build_model
+    from train.model.gpt import ModelConfig, build_model
     from train.state import TrainState
 
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
@@ -200,7 +200,7 @@ def main():
         with open(args.trace, "w") as f:
             json.dump(trace, f)
     del mgr
-    from train.parallel import shutdown
+    from train.model.parallel import shutdown
     shutdown()
 
 

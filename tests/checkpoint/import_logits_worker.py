@@ -7,7 +7,7 @@ recorded config, loaded with `train.checkpoint.init_from.load_weights` (the `--i
 load), run forward-only through megatron's pipeline schedule, and the full-vocabulary logits (gathered
 over TP) are saved by rank 0 as {(ckpt, tp, pp): logits}.
 """
-from train import cpu_compat
+from train.model import cpu_compat
 
 cpu_compat.install()
 
@@ -25,7 +25,7 @@ def logits_for(ckpt: str, tp: int, pp: int, tokens: torch.Tensor):
 
     from train.checkpoint import layout
     from train.checkpoint.init_from import load_weights
-    from train.models import ModelConfig, build_model
+    from train.model.gpt import ModelConfig, build_model
 
     meta = layout.read_manifest(fsspec.filesystem("file"), ckpt)["meta"]
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -171,7 +171,7 @@ def test_generate_is_greedy_deterministic_and_equals_transformers(imported, tmp_
 
     from train.checkpoint.export_hf import export
     from train.cli import main
-    from train.generate import generate, load
+    from train.generation.chat import generate, load
 
     folder, ck = imported["untied"]
     loaded = load(ck)

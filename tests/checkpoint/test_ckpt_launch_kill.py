@@ -1,7 +1,7 @@
 """End to end through `train launch` (torchrun, 2 gloo processes, DistributedOptimizer, real shard
 dataset): kill -9 the run while an async checkpoint save is in flight (the save of a step drawn from a
 seeded RNG), relaunch, and the loss / grad-norm / data trace after the auto-resume is bit-identical to an
-uninterrupted run. The uninterrupted run's console is also checked to be clean (train.console)."""
+uninterrupted run. The uninterrupted run's console is also checked to be clean (train.monitor.console)."""
 from __future__ import annotations
 
 import os
@@ -42,7 +42,7 @@ _records = metric_records
 
 
 def _assert_clean_console(console: str, run_dir) -> None:
-    """A clean console (train.console): megatron's import warnings went to each rank's log file, the one
+    """A clean console (train.monitor.console): megatron's import warnings went to each rank's log file, the one
     setup line says what they amount to, and none of the 6 async saves (2 ranks) made megatron think it
     overwrote an old checkpoint (the race fixed in train.checkpoint.save._after_empty_check)."""
     assert "UserWarning" not in console and "warnings.warn(" not in console, console[-3000:]

@@ -32,7 +32,7 @@ def one_rank(tmp_path):
 
 def _ours(cfg):
     """(megatron model, its logits for TOKENS)."""
-    from train.models import build_model
+    from train.model.gpt import build_model
 
     (m,) = build_model(cfg, seed=5)
     m.eval()
@@ -65,7 +65,7 @@ def test_nope_export_matches_transformers_smollm3_and_reads_back(one_rank, tmp_p
 
     from train.checkpoint.export_hf import export
     from train.checkpoint.import_hf import load_tensors, megatron_params, read_config
-    from train.models import ModelConfig
+    from train.model.gpt import ModelConfig
 
     cfg = ModelConfig(**SHAPE)
     assert cfg.resolved().no_rope_every == 4  # the 3b preset's, as SmolLM3

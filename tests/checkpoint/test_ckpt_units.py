@@ -178,7 +178,7 @@ def test_cli_list_and_verify(tmp_path):
 
 _KILLED_TRAINER = """
 import os, signal, sys
-from train import cpu_compat
+from train.model import cpu_compat
 cpu_compat.install()
 import psutil, torch.distributed as dist
 from train.checkpoint import CheckpointConfig, CheckpointManager

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from testutil import read_corpus, require
 
-from datapipe.chat import (BUILTIN_TEMPLATES, ConversationError, load_template, render, template_special_tokens,
+from storage.chat import (BUILTIN_TEMPLATES, ConversationError, load_template, render, template_special_tokens,
                            token_mask, validate_conversation)
 from datapipe.tokenize import train_bpe
 from storage.config import ConfigError

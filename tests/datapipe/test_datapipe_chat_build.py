@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from testutil import read_corpus, require, require_tool, write_jsonl
 
-from datapipe.chat import BUILTIN_TEMPLATES
+from storage.chat import BUILTIN_TEMPLATES
 from datapipe.config import (BuildConfig, ChatConfig, NormalizeConfig, ShardsConfig, SourceConfig, TokenizerConfig,
                              ValidationConfig)
 from datapipe.normalize import normalize_text
@@ -136,7 +136,7 @@ def test_tokens_and_masks_equal_transformers(built):
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(Path(cfg.output, "tokenizer.json")))
     for t in ("<|im_start|>", "<|im_end|>"):
         assert len(hf.encode(t, add_special_tokens=False)) == 1
-    from datapipe.chat import validate_conversation
+    from storage.chat import validate_conversation
 
     seen = 0
     for name in ("chat", "trunc"):

@@ -86,7 +86,7 @@ def test_every_pair_once_per_epoch_adjacent_and_equal_to_iter_pairs(pref_ds):
     assert [p[0] for p in ref] == list(range(60))
     assert [p[1] for p in ref[:2]] == ["hh/0", "hh/1"] and ref[37][1] == "uf/0"
     ld = loader(pref_ds)
-    assert ld.epoch_pairs == 60 and ld.pairs_in_epochs(1.5) == 90 and ld.pairs.ids == [p[1] for p in ref]
+    assert ld.epoch_pairs == 60 and ld.rows_in_epochs(1.5) == 90 and ld.pairs.ids == [p[1] for p in ref]
     batches = [next(ld) for _ in range(15)]  # 120 pairs: two epochs, one batch across the boundary
     assert all(b.shape == (16, 5, S) and b.dtype == torch.int64 for b in batches)
     order = []

@@ -1,17 +1,17 @@
-"""train.docmask in one gloo process: packed documents (block-diagonal mask + per-document RoPE positions)
+"""train.model.docmask in one gloo process: packed documents (block-diagonal mask + per-document RoPE positions)
 give every document the per-token losses it gets alone; boundaries from EOS; thd cu_seqlens."""
 import pytest
 import torch
 from testutil import megatron_one_rank
 
-from train.docmask import (block_causal_mask, micro_batch, packed_seq_params, positions_of, rope_positions,
+from train.model.docmask import (block_causal_mask, micro_batch, packed_seq_params, positions_of, rope_positions,
                            segments_from_eos)
-from train.models import ModelConfig
+from train.model.gpt import ModelConfig
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from train.models import build_model
+    from train.model.gpt import build_model
 
     with megatron_one_rank(tmp_path_factory.mktemp("pg")):
         yield build_model(ModelConfig(preset="tiny"), seed=11)

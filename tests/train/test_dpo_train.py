@@ -82,7 +82,7 @@ def test_references_online_equal_precomputed_and_match_trl(setup, pre):
     from transformers import LlamaForCausalLM
 
     from storage.loader.pairs import iter_pairs
-    from train import refs
+    from train.objectives import refs
 
     tmp, ds, ref, log = setup["tmp"], setup["ds"], setup["ref"], setup["log"]
     table = refs.load(str(ds), str(ref), "train")
@@ -114,7 +114,7 @@ def test_held_out_pair_metrics_equal_transformers_on_the_export(setup, pre):
     from transformers import LlamaForCausalLM
 
     from storage.loader.pairs import iter_pairs
-    from train import refs
+    from train.objectives import refs
 
     tmp, ds, ref, log = setup["tmp"], setup["ds"], setup["ref"], setup["log"]
     run = pre

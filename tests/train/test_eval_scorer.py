@@ -5,12 +5,12 @@ import torch
 from testutil import megatron_one_rank
 
 from storage.config import ConfigError
-from train.models import ModelConfig
+from train.model.gpt import ModelConfig
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from train.models import build_model
+    from train.model.gpt import build_model
 
     with megatron_one_rank(tmp_path_factory.mktemp("pg")):
         yield build_model(ModelConfig(preset="tiny"), seed=5)

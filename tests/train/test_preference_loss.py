@@ -1,4 +1,4 @@
-"""train.preference against TRL's DPOTrainer: for every loss type, the loss and its gradient with respect
+"""train.objectives.preference against TRL's DPOTrainer: for every loss type, the loss and its gradient with respect
 to the policy's log-probs equal TRL's `_compute_loss` on the same (policy, reference) log-probs."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from testutil import require
 
-from train.preference import DPOConfig, pair_losses, sequence_logps
+from train.objectives.preference import DPOConfig, pair_losses, sequence_logps
 
 
 class _Stub(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""train.comm's timing shim in one gloo process: what it counts (by kind, once when nested, async waits),
+"""train.monitor.comm's timing shim in one gloo process: what it counts (by kind, once when nested, async waits),
 what it leaves out (paused monitoring reductions, calls outside a step), that an artificial delay on the
 collective path raises the communication share, and that uninstall restores every patched function."""
 import threading
@@ -24,7 +24,7 @@ def groups(tmp_path_factory):
 
 @pytest.fixture
 def timer(groups):
-    from train.comm import CommTimer
+    from train.monitor.comm import CommTimer
 
     t = CommTimer(cuda=False, include_one_rank_groups=True)  # one process: every group has one rank
     t.install()
@@ -94,7 +94,7 @@ def test_window_metrics_and_install_restores(groups):
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.tensor_parallel import mappings
 
-    from train.comm import CommTimer, window_metrics
+    from train.monitor.comm import CommTimer, window_metrics
 
     originals = (dist.all_reduce, mappings.dist_all_gather_func, pgb._ParamAndGradBucketGroup.finish_grad_sync,
                  P2PCommunicator._communicate)

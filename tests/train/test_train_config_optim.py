@@ -5,8 +5,8 @@ import pytest
 
 from storage.config import ConfigError, from_dict
 from train.config import OptimConfig, SpikeConfig, TrainConfig
-from train.metrics import Alerts, flops_per_token, mfu
-from train.models import ModelConfig
+from train.monitor.metrics import Alerts, flops_per_token, mfu
+from train.model.gpt import ModelConfig
 from train.optim import SpikeDetector, lr_at
 
 
@@ -137,9 +137,9 @@ def test_no_weight_decay_on_norms_and_biases(tmp_path):
     import torch
 
     from testutil import megatron_one_rank
-    from train.models import build_model
+    from train.model.gpt import build_model
     from train.optim import LRScheduler, build_optimizer, clip_and_step, grad_norm
-    from train.parallel import wrap_ddp
+    from train.model.parallel import wrap_ddp
 
     c = cfg(model={"preset": "tiny", "hidden_size": 64, "num_layers": 1, "ffn_hidden_size": 96},
             optim={"lr": 0.5, "weight_decay": 0.1, "warmup_steps": 0, "schedule": "constant"})
@@ -230,8 +230,8 @@ def test_fp8_refused_with_reason_before_any_process(tmp_path, monkeypatch):
     import torch
     from click.testing import CliRunner
 
-    from train import config as tc
     from train.cli import main
+    from train.model import precision as tc
 
     c = cfg(precision="fp8")  # loads: `train estimate` of an fp8 run works anywhere
     assert c.bf16_weights() and cfg(precision="bf16").bf16_weights() and not cfg().bf16_weights()
@@ -273,8 +273,8 @@ def test_fp8_refused_with_reason_before_any_process(tmp_path, monkeypatch):
 def test_fp8_transformer_config_kwargs():
     import dataclasses
 
-    from train.config import fp8_transformer_kwargs
-    from train.models import transformer_config
+    from train.model.precision import fp8_transformer_kwargs
+    from train.model.gpt import transformer_config
 
     assert fp8_transformer_kwargs("bf16") == {} and fp8_transformer_kwargs("fp32") == {}
     tcfg = transformer_config(ModelConfig(preset="tiny"), bf16=True)
@@ -284,7 +284,7 @@ def test_fp8_transformer_config_kwargs():
 
 
 def test_estimate_1_7b_bf16():
-    from train.estimate import estimate
+    from train.monitor.estimate import estimate
 
     c = cfg(model={"preset": "1.7b"}, precision="bf16", data={"seq_len": 4096},
             parallel={"micro_batch_size": 4, "global_batch_size": 64})

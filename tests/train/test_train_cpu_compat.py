@@ -1,8 +1,8 @@
-"""train.cpu_compat: CUDA→CPU mapping, type strings, stubs, and the CPU RNG tracker's seed offsets."""
+"""train.model.cpu_compat: CUDA→CPU mapping, type strings, stubs, and the CPU RNG tracker's seed offsets."""
 import pytest
 import torch
 
-from train import cpu_compat
+from train.model import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="cpu_compat is a no-op when CUDA is present")
 

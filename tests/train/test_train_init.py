@@ -74,7 +74,7 @@ def _losses_on_second_batch(tmp_path, run_dir, ckpt, thetas) -> list[float]:
     from train.checkpoint.init_from import load_weights
     from train.config import TrainConfig
     from train.data import SyntheticLoader
-    from train.models import build_model
+    from train.model.gpt import build_model
 
     cfg = cfgmod.load(TrainConfig, str(run_dir / "config.yaml"))
     loader = SyntheticLoader(cfg.model.vocab_size, cfg.data.seq_len, cfg.parallel.global_batch_size, cfg.data.seed)

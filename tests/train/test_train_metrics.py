@@ -4,7 +4,7 @@ import json
 from click.testing import CliRunner
 
 from train.cli import main
-from train.metrics import Sinks, format_record, memory_stats
+from train.monitor.metrics import Sinks, format_record, memory_stats
 
 
 def _rec(step, **kw):

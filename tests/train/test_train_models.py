@@ -1,4 +1,4 @@
-"""train.models: preset shapes, validation, and building the tiny GPTModel in one gloo process; activation
+"""train.model.gpt: preset shapes, validation, and building the tiny GPTModel in one gloo process; activation
 recompute (same loss and gradients, bit for bit, at TP1 in process and at TP2 / PP2 under torchrun: this file
 is also that torchrun worker), NoPE layers, and recompute in `train estimate`."""
 import json
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from storage.config import ConfigError, from_dict
-from train.models import PRESETS, ModelConfig, num_parameters
+from train.model.gpt import PRESETS, ModelConfig, num_parameters
 
 # Published parameter counts (HF model cards / config.json shapes), tied embeddings.
 PUBLISHED = {"135m": 134_515_008, "360m": 361_821_120, "1.7b": 1_711_376_384, "3b": 3_075_098_624}
@@ -61,7 +61,7 @@ def one_rank(tmp_path):
 
 
 def test_build_tiny_matches_param_count_and_is_deterministic(one_rank):
-    from train.models import build_model
+    from train.model.gpt import build_model
 
     cfg = ModelConfig(preset="tiny")
     (m1,) = build_model(cfg, seed=3)
@@ -81,7 +81,7 @@ def test_build_tiny_matches_param_count_and_is_deterministic(one_rank):
 
 
 def test_tp_slice_keeps_gate_and_up_halves():
-    from train.models import _tp_slice
+    from train.model.gpt import _tp_slice
 
     full = torch.arange(8).reshape(8, 1)  # gate rows 0-3, up rows 4-7
     assert _tp_slice(full, 0, 2, 0, gated=True).flatten().tolist() == [0, 1, 4, 5]
@@ -122,7 +122,7 @@ def _recompute_runs(tp: int, pp: int) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from train.models import build_model
+    from train.model.gpt import build_model
 
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 1024, (MBS, SEQ), generator=gen), torch.randint(0, 1024, (MBS, SEQ), generator=gen))
@@ -179,7 +179,7 @@ def _check(report: dict, where: str) -> None:
 
 
 def test_recompute_gives_identical_loss_and_grads_tp1(one_rank):
-    from train.models import transformer_config
+    from train.model.gpt import transformer_config
 
     _check(_compare(_recompute_runs(1, 1), 4), "tp1")
     c = transformer_config(ModelConfig(preset="tiny", recompute="selective"))
@@ -209,7 +209,7 @@ def test_recompute_gives_identical_loss_and_grads_tp2_and_pp2(tmp_path):
 
 
 def test_nope_changes_the_logits_and_reaches_megatron(one_rank):
-    from train.models import build_model
+    from train.model.gpt import build_model
 
     tok = torch.randint(0, 1024, (2, 16), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(16).expand(2, 16)
@@ -231,7 +231,7 @@ def test_estimate_recompute_lowers_activation_memory():
 
     from train.cli import main
     from train.config import TrainConfig
-    from train.estimate import estimate
+    from train.monitor.estimate import estimate
 
     def est(flash=True, **model):
         c = from_dict(TrainConfig, {"model": {"preset": "1.7b", **model}, "precision": "bf16",
@@ -259,7 +259,7 @@ def test_estimate_recompute_lowers_activation_memory():
 
 
 if __name__ == "__main__":  # torchrun worker of test_recompute_gives_identical_loss_and_grads_tp2_and_pp2
-    from train import cpu_compat
+    from train.model import cpu_compat
 
     cpu_compat.install()
     import torch.distributed as dist

@@ -66,7 +66,7 @@ def baseline(tmp_path_factory):
 @pytest.mark.parametrize("name,nproc,sets", [
     ("tp2", 2, ["parallel.tp=2"]),
     ("pp2", 2, ["parallel.pp=2"]),
-    # an artificial delay inside every timed collective from step 4 on (train.comm); numerics unchanged
+    # an artificial delay inside every timed collective from step 4 on (train.monitor.comm); numerics unchanged
     ("dp2_distopt", 2, ["parallel.distributed_optimizer=true", "debug.comm_delay_s=0.1",
                         "debug.comm_delay_from_step=4"]),
 ])

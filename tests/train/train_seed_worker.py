@@ -1,5 +1,5 @@
-"""torchrun worker for test_train_parallel: draws from each RNG stream after train.parallel.init."""
-from train import cpu_compat
+"""torchrun worker for test_train_parallel: draws from each RNG stream after train.model.parallel.init."""
+from train.model import cpu_compat
 
 cpu_compat.install()
 
@@ -13,7 +13,7 @@ def main() -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from storage.config import from_dict
-    from train import parallel
+    from train.model import parallel
     from train.config import TrainConfig
 
     cfg = from_dict(TrainConfig, {"parallel": {"tp": 2}, "seed": 42})

@@ -23,7 +23,7 @@ Appends a section to docs/benchmarks.md (unless --no-append).
 
     python tools/bench/bench_ckpt.py --dir /var/tmp --size-mb 64 --runs 5
 """
-from train import cpu_compat
+from train.model import cpu_compat
 
 cpu_compat.install()  # at import: megatron's async writer re-imports __main__ with spawn
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from train import cpu_compat  # noqa: E402  (before megatron is imported anywhere)
+from train.model import cpu_compat  # noqa: E402  (before megatron is imported anywhere)
 
 cpu_compat.install()
 CORPORA = REPO.parent / "shared" / "corpora"
@@ -70,10 +70,10 @@ def ours_setup(ckpt: Path):
     from megatron.core import parallel_state as ps
 
     from storage import config as cfgmod
-    from train import parallel
+    from train.model import parallel
     from train.checkpoint.resume import load_into
     from train.config import TrainConfig
-    from train.models import build_model
+    from train.model.gpt import build_model
     from train.state import TrainState
 
     cfg = cfgmod.load(TrainConfig, str(ckpt.parents[1] / "config.yaml"), [])
@@ -191,7 +191,7 @@ def main() -> int:
         peer_t.append(dt)
         worst = max(worst, max(abs(a - b) for t in items for la, lb in zip(det[t]["logliks"], ref[t])
                                for a, b in zip(la, lb)))
-    from train import parallel
+    from train.model import parallel
 
     parallel.shutdown()
     ours_m, peer_m = statistics.median(ours_t), statistics.median(peer_t)

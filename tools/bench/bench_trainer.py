@@ -1,6 +1,6 @@
 """Trainer overhead: tokens/s of our `Trainer.train_step` vs a bare megatron-core loop, same process run.
 
-Both sides train the same model (train.models.build_model, same init), batch and in-memory data; the
+Both sides train the same model (train.model.gpt.build_model, same init), batch and in-memory data; the
 bare loop is what a megatron-core example does: DDP, get_megatron_optimizer, get_forward_backward_func,
 optimizer.step(). Ours adds everything `train launch` runs per step (data loader, LR schedule, global
 loss all-reduce, grad-norm-before-step, skip/spike checks, metrics). Rounds alternate ABBA; medians.
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from train import cpu_compat
+from train.model import cpu_compat
 
 cpu_compat.install()
 
@@ -49,9 +49,9 @@ def bare_loop(cfg, par):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from train.data import SyntheticLoader
-    from train.models import build_model
+    from train.model.gpt import build_model
     from train.optim import build_optimizer
-    from train.parallel import wrap_ddp
+    from train.model.parallel import wrap_ddp
 
     chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.precision == "bf16", seed=cfg.seed)
     model = wrap_ddp(cfg, chunks)
@@ -140,12 +140,12 @@ def main() -> None:
             "", f"## Trainer step vs bare megatron-core loop ({datetime.date.today().isoformat()})", "",
             f"Command: `{cmd}`. Machine: {platform.machine()}, {os.cpu_count()} cores, "
             f"torch {__import__('torch').__version__}, megatron-core {_mcore_version()}, "
-            f"{'CUDA' if __import__('torch').cuda.is_available() else 'CPU (gloo, train.cpu_compat)'}. "
+            f"{'CUDA' if __import__('torch').cuda.is_available() else 'CPU (gloo, train.model.cpu_compat)'}. "
             f"Model: {shape}. Load average during the run: "
             f"{os.getloadavg()[0]:.1f} (other work shared the cores).", "", *lines, ""]
         with open(args.append, "a") as f:
             f.write("\n".join(section))
-    from train import parallel
+    from train.model import parallel
 
     parallel.shutdown()
 

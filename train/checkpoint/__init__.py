@@ -13,6 +13,8 @@
 - `train ckpt list|verify|export|import` (`cli.py`); export to a Hugging Face Llama folder (`export_hf.py`),
   import from one (`import_hf.py`); `train launch --init` loads weights only (`init_from.py`).
 See docs/checkpoints.md.
+
+May import: storage, train.model, train.monitor, and train.state / train.config (docs/architecture.md).
 """
 from train.checkpoint.config import CheckpointConfig
 

@@ -111,8 +111,8 @@ def to_llama(t: dict[str, torch.Tensor], heads: int, kv_heads: int) -> dict[str,
 
 
 def model_shape(manifest: dict, overrides: dict | None = None) -> dict:
-    """Model hyper-parameters from the manifest's meta.model (a train.models.ModelConfig mapping)."""
-    from train.models import ModelConfig
+    """Model hyper-parameters from the manifest's meta.model (a train.model.gpt.ModelConfig mapping)."""
+    from train.model.gpt import ModelConfig
 
     meta = dict((manifest.get("meta") or {}).get("model") or {})
     meta.update({k: v for k, v in (overrides or {}).items() if v is not None})

@@ -61,8 +61,8 @@ def dataset_chat_template(tokenizer_url: str) -> str | None:
     """The chat template (Jinja) recorded in that dataset's manifest (`chat_template`), if any."""
     m = dataset_manifest(tokenizer_url)
     t = getattr(m, "chat_template", None) if m is not None else None
-    try:  # a built-in template's name (datapipe.chat) stands for its text
-        from datapipe.chat import BUILTIN_TEMPLATES
+    try:  # a built-in template's name (storage.chat) stands for its text
+        from storage.chat import BUILTIN_TEMPLATES
     except ImportError:
         BUILTIN_TEMPLATES = {}
     return BUILTIN_TEMPLATES.get(t, t) if t else None

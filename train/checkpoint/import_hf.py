@@ -38,7 +38,7 @@ class ImportError_(CheckpointError):  # noqa: N801 - not the builtin ImportError
 
 
 def read_config(folder: str) -> dict:
-    """Model shape (train.models.ModelConfig keys) of a HF Llama / SmolLM3 folder; refuses what we cannot
+    """Model shape (train.model.gpt.ModelConfig keys) of a HF Llama / SmolLM3 folder; refuses what we cannot
     express."""
     path = os.path.join(folder, "config.json")
     try:

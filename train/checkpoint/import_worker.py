@@ -12,7 +12,7 @@ Prints the checkpoint path last; a refused input exits 2 with `error: <why>` as 
 layer is installed at import and the work runs under the `__main__` guard, as for train.run (the
 checkpoint writer's helper process re-imports this).
 """
-from train import cpu_compat
+from train.model import cpu_compat
 
 cpu_compat.install()
 
@@ -46,7 +46,7 @@ def _add_carried_files(ckpt: str, folder: str) -> list[str]:
 
 def write_checkpoint(hf: dict, shape: dict, out_root: str, meta: dict, carry: str | None = None) -> str:
     """Write HF Llama-named tensors `hf` (one dtype: bf16 stays bf16, else fp32) as the TP1 PP1 model of
-    `shape` (train.models.ModelConfig keys) into OUT_ROOT/step_00000000 (+ `latest`); returns its path.
+    `shape` (train.model.gpt.ModelConfig keys) into OUT_ROOT/step_00000000 (+ `latest`); returns its path.
     The manifest's meta is {model, precision, padded_vocab_size, seq_len} updated with `meta`; with
     `carry`, that folder's tokenizer/config files are copied into `hf/` (meta `hf.dir` says so)."""
     import os
@@ -61,7 +61,7 @@ def write_checkpoint(hf: dict, shape: dict, out_root: str, meta: dict, carry: st
 
     from train.checkpoint import CheckpointConfig, CheckpointManager, layout
     from train.checkpoint.import_hf import dtype_precision, megatron_params
-    from train.models import ModelConfig, build_model
+    from train.model.gpt import ModelConfig, build_model
     from train.state import TrainState
 
     dtype, precision = dtype_precision(hf)

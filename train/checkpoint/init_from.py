@@ -79,7 +79,7 @@ def resolve(cfg) -> None:
     meta = m.get("meta") or {}
     if "model" not in meta:
         raise ConfigError(f"key 'init': {ckpt}: its manifest records no model config (meta.model)")
-    from train.models import ModelConfig
+    from train.model.gpt import ModelConfig
 
     known = set(ModelConfig.__dataclass_fields__)
     ck = ModelConfig(**{k: v for k, v in meta["model"].items() if k in known}).resolved()

@@ -260,3 +260,20 @@ def verify(fs: fsspec.AbstractFileSystem, root: str, name: str, checksums: bool 
         base_problems = verify(fs, root, m["base"], checksums=checksums, chain=False)
         problems += [f"{path}: base {m['base']} does not verify: {p}" for p in base_problems]
     return problems
+
+
+def find_checkpoints(path: str, every: bool) -> list[str]:
+    """A checkpoint folder itself, or a run dir's (or checkpoints folder's) checkpoints, newest only
+    unless `every`. ConfigError when there is none."""
+    from pathlib import Path
+
+    from storage.config import ConfigError
+
+    p = Path(path).resolve()
+    if (p / MANIFEST).is_file():
+        return [str(p)]
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    names = [c.name for c in list_checkpoints(fsspec.filesystem("file"), str(root))]
+    if not names:
+        raise ConfigError(f"{path}: no checkpoints (give a step_… folder or a run directory)")
+    return [str(root / n) for n in (names if every else names[-1:])]

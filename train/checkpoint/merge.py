@@ -103,7 +103,7 @@ def tokenizer_digest(ckpt: str, manifest: dict) -> tuple[str | None, str | None]
 
 
 def _model(ckpt: str, m: dict):
-    from train.models import ModelConfig
+    from train.model.gpt import ModelConfig
 
     meta = (m.get("meta") or {}).get("model")
     if not meta:

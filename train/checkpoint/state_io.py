@@ -107,9 +107,13 @@ def apply_loaded(state: TrainState, loaded: dict) -> None:
 
 
 def train_state_dict(state: TrainState) -> dict:
-    return {"step": state.step, "consumed_tokens": state.consumed_tokens, "extra": state.extra,
-            "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
-            "loader": state.loader.state_dict() if state.loader is not None else None}
+    out = {"step": state.step, "consumed_tokens": state.consumed_tokens, "extra": state.extra,
+           "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
+           "loader": state.loader.state_dict() if state.loader is not None else None}
+    objective = state.objective.state_dict() if state.objective is not None else {}
+    if objective:  # only objectives that keep state add the key
+        out["objective"] = objective
+    return out
 
 
 def load_train_state(state: TrainState, d: dict) -> None:
@@ -118,6 +122,8 @@ def load_train_state(state: TrainState, d: dict) -> None:
         state.scheduler.load_state_dict(d["scheduler"])
     if state.loader is not None and d["loader"] is not None:
         state.loader.load_state_dict(d["loader"])
+    if state.objective is not None:
+        state.objective.load_state_dict(d.get("objective", {}))
 
 
 def rng_state() -> dict:

@@ -7,4 +7,7 @@ scorer (batched forward-only scoring under TP × PP × DP, shared-context trees)
 sequences and their metrics), evaluator (both, built once, run many times), run (the `train eval`
 worker under torchrun), results (per-checkpoint JSON and the table), hf (transformers backend),
 lmeval (the lm-evaluation-harness reference runner used by tests and benchmarks).
+
+May import: storage, train.model, train.monitor, train.checkpoint, train.generation, and train.state /
+train.config (docs/architecture.md).
 """

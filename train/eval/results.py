@@ -38,19 +38,6 @@ def run_dir_of(path: str) -> Path | None:
     return None
 
 
-def checkpoints(path: str, every: bool) -> list[str]:
-    """A checkpoint folder itself, or a run dir's checkpoints (newest only unless `every`)."""
-    p = Path(path).resolve()
-    if (p / layout.MANIFEST).is_file():
-        return [str(p)]
-    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    fs = fsspec.filesystem("file")
-    names = [c.name for c in layout.list_checkpoints(fs, str(root))]
-    if not names:
-        raise ConfigError(f"{path}: no checkpoints (give a step_… folder or a run directory)")
-    return [str(root / n) for n in (names if every else names[-1:])]
-
-
 LABEL = re.compile(r"[A-Za-z0-9_.+-]+")
 
 
@@ -73,7 +60,7 @@ def parse_targets(targets: list[str] | tuple[str, ...], every: bool) -> tuple[li
                 raise ConfigError(f"{t}: no checkpoint after '{label}='")
             if every:
                 raise ConfigError(f"{t}: --all does not take a label (each checkpoint is named by its step)")
-        found = checkpoints(path, every)
+        found = layout.find_checkpoints(path, every)
         ckpts += found
         labels += [label] * len(found)
     names = [lab or os.path.basename(c) for c, lab in zip(ckpts, labels)]

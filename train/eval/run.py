@@ -8,9 +8,10 @@ any run, is loaded into it (megatron dist_checkpointing reshards any saved layou
 Rank 0 writes the results (with "evaluated_at", and "label" for a labeled checkpoint) and prints one
 line per checkpoint.
 """
-from train import console, cpu_compat
+from train.model import cpu_compat
+from train.monitor import console
 
-console.quiet(prefix="eval-")  # library warnings → RUN_DIR/logs/eval-rank<RANK>.log (train.console)
+console.quiet(prefix="eval-")  # library warnings → RUN_DIR/logs/eval-rank<RANK>.log (train.monitor.console)
 cpu_compat.install()
 
 
@@ -23,14 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     import fsspec
 
     from storage import config as cfgmod
-    from train import parallel
+    from train.model import parallel
     from train.checkpoint import layout
     from train.checkpoint.resume import load_into
     from train.config import TrainConfig
     from train.eval.evaluator import build_evaluator
     from train.eval.results import checkpoint_tokenizer, run_dir_of, write_result
-    from train.metrics import format_eval
-    from train.models import build_model
+    from train.monitor.metrics import format_eval
+    from train.model.gpt import build_model
     from train.state import TrainState
 
     argv = sys.argv[1:] if argv is None else argv

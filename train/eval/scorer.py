@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from train.docmask import _rope_forward
+from train.model.docmask import _rope_forward
 
 
 PAD_RATIO = 0.8
@@ -127,7 +127,7 @@ def _tensors(rows: list[Row], pad_to: int, n_rows: int) -> dict:
 @contextlib.contextmanager
 def scoring_hooks(model_chunks: list):
     """While active, per micro-batch values in the returned dict steer the chunks:
-    - `positions` ([B, S]): RoPE takes these per-token positions instead of 0 .. S-1 (train.docmask);
+    - `positions` ([B, S]): RoPE takes these per-token positions instead of 0 .. S-1 (train.model.docmask);
     - `select` ([B, S] bool): only these positions go through the output layer and the cross entropy
       (the others get loss 0), so long contexts do not pay for vocabulary-sized logits they never use."""
     from megatron.core.utils import unwrap_model

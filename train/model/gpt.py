@@ -140,11 +140,11 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool
     """megatron TransformerConfig for `cfg`. TP and PP sizes must be given, or every pipeline stage
     silently builds all layers. `per_token_loss`: micro-batch losses are sums, and gradients are divided
     by the step's global count of loss tokens (megatron's calculate_per_token_loss). `precision` fp8 adds
-    Transformer Engine's FP8 recipe (train.config.fp8_transformer_kwargs; bf16 weights)."""
+    Transformer Engine's FP8 recipe (train.model.precision; bf16 weights)."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from train.config import fp8_transformer_kwargs
+    from train.model.precision import fp8_transformer_kwargs
 
     s = cfg.resolved()
     dtype = torch.bfloat16 if bf16 else torch.float32

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from train.models import ModelConfig
+from train.model.gpt import ModelConfig
 
 # Dense bf16 tensor-core peak per GPU (FLOP/s), from NVIDIA's datasheets (SXM parts).
 PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12}
@@ -60,7 +60,7 @@ def memory_stats() -> dict:
 
     rss = psutil.Process().memory_info().rss
     out = {"rss_gib": rss / 2**30}
-    from train import cpu_compat
+    from train.model import cpu_compat
 
     if torch.cuda.is_available() and not cpu_compat.active():
         alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
@@ -213,7 +213,7 @@ class Alerts:
 
 
 def _comm_breakdown(rec: dict) -> str:
-    from train.comm import KINDS
+    from train.monitor.comm import KINDS
 
     parts = [f"{k} {100 * rec[f'comm_share_{k}']:.1f}%" for k in KINDS if rec.get(f"comm_share_{k}")]
     worst = rec.get("comm_share_max")

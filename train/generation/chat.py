@@ -8,7 +8,7 @@ in memory through the same name mapping as the HF export (`export_hf.llama_weigh
 - tokenizer: the HF folder's; an imported checkpoint's carried `hf/` files; else the dataset tokenizer the
   checkpoint recorded (`meta.tokenizer`), with the dataset's EOS;
 - chat template: the HF folder's / carried tokenizer's; else the dataset manifest's `chat_template`; else
-  built-in ChatML (datapipe.chat's when that module exists);
+  built-in ChatML (storage.chat's when that module exists);
 - stop tokens: EOS, plus the template's end-of-turn token (the added token that follows an assistant
   message in the rendered template, e.g. `<|im_end|>`).
 Vocabulary padding rows (ids the tokenizer does not have) are never generated.
@@ -37,17 +37,17 @@ class Generation:
 
 def builtin_template() -> str:
     try:
-        from datapipe.chat import BUILTIN_TEMPLATES
+        from storage.chat import BUILTIN_TEMPLATES
         return BUILTIN_TEMPLATES["chatml"]
     except (ImportError, KeyError):
         return CHATML
 
 
 def render(template: str, messages: list[dict], tok) -> str:
-    """The prompt text with the generation prompt: datapipe.chat.render (as SFT data is rendered) when that
+    """The prompt text with the generation prompt: storage.chat.render (as SFT data is rendered) when that
     module exists, else transformers' Jinja rendering."""
     try:
-        from datapipe.chat import render as dp_render
+        from storage.chat import render as dp_render
     except ImportError:
         dp_render = None
     if dp_render is not None:
@@ -127,10 +127,10 @@ def load(path: str):
         out = model, tok, tok.chat_template, _eos_ids(p, tok)
     else:
         from storage.config import ConfigError
-        from train.eval.results import checkpoints
+        from train.checkpoint.layout import find_checkpoints
 
         try:
-            ckpt = checkpoints(p, every=False)[0]
+            ckpt = find_checkpoints(p, every=False)[0]
         except (ConfigError, FileNotFoundError) as e:
             raise GenerateError(f"{path}: neither a Hugging Face folder (config.json) nor a checkpoint ({e})") from None
         out = _from_checkpoint(ckpt)

@@ -217,7 +217,7 @@ def install() -> bool:
     if torch.cuda.is_available():
         return False
     # megatron wraps its fusion kernels in torch.compile when imported, which imports dynamo and inductor
-    # (~1.2 s a process); with the fusions off (train.models) none of them runs, and nothing else here
+    # (~1.2 s a process); with the fusions off (train.model.gpt) none of them runs, and nothing else here
     # compiles: skip that import on CPU (bit-identical losses, a tiny launch 12.8 → 10.7 s)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     _patch_cuda_module()

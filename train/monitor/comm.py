@@ -94,7 +94,7 @@ class CommTimer:
         if cuda is None:
             import torch
 
-            from train import cpu_compat
+            from train.model import cpu_compat
 
             cuda = torch.cuda.is_available() and not cpu_compat.active()
         self.cuda = cuda

@@ -25,8 +25,8 @@ It is an estimate: allocator fragmentation, communication buffers and workspace 
 from __future__ import annotations
 
 from train.config import TrainConfig
-from train.metrics import PEAK_BF16, flops_per_token
-from train.models import num_parameters
+from train.monitor.metrics import PEAK_BF16, flops_per_token
+from train.model.gpt import num_parameters
 
 
 def estimate(cfg: TrainConfig, world: int, flash_attention: bool = True, mfu: float = 0.45,

@@ -9,7 +9,7 @@ is refused instead of silently used. The pass writes chunks of CHUNK pairs as it
 already written, so an interrupted pass resumes. Training then holds one model. `dpo.reference: online`
 instead scores each step's pairs with a frozen copy of the reference (`OnlineReference`).
 
-Run as torchrun's worker: `python -m train.refs SPEC.json` (SPEC written by `train refs`).
+Run as torchrun's worker: `python -m train.objectives.refs SPEC.json` (SPEC written by `train refs`).
 """
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ class OnlineReference:
 
     def __init__(self, cfg, par, ckpt: str):
         from train.checkpoint.init_from import load_weights
-        from train.models import build_model
+        from train.model.gpt import build_model
 
         self.chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.bf16_weights(), seed=cfg.seed)
         if torch.cuda.is_available():
@@ -146,8 +146,8 @@ class OnlineReference:
         """Summed completion log-probs of every row of this rank's batch ([rows]); None off the last stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from train.docmask import micro_batch
-        from train.preference import sequence_logps
+        from train.model.docmask import micro_batch
+        from train.objectives.preference import sequence_logps
 
         micro = list(batch.split(rows_per_micro))
 
@@ -176,14 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     """torchrun worker of `train refs`: build the model under the spec's layout, load the reference, score."""
     import sys
 
-    from train import cpu_compat
+    from train.model import cpu_compat
 
     cpu_compat.install()
     from storage import config as cfgmod
-    from train import parallel
+    from train.model import parallel
     from train.checkpoint.init_from import load_weights
     from train.config import TrainConfig
-    from train.models import build_model
+    from train.model.gpt import build_model
 
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
