@@ -88,7 +88,10 @@ def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoin
 def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, every, nproc, overrides, config_path,
              tokenizer, out, metric):
     """Evaluate checkpoints (any TP/PP layout, resharded on load), a run's checkpoints, or a HF folder:
-    validation loss per source (loss, ppl, bits/byte) and multiple-choice benchmarks (acc, acc_norm, acc_token).
+    validation loss per source (loss, ppl, bits/byte), multiple-choice benchmarks (acc, acc_norm, acc_token)
+    and generative ones scored as lm-eval scores them (gsm8k_cot, gsm8k_cot_chat: exact_match per filter;
+    ifeval: prompt/instruction-level strict and loose accuracy; every generation kept in the results).
+    Generation settings: --set eval.generation.max_new_tokens=N (also .stop, .chat_template, .batch_size).
 
     Each TARGET is CHECKPOINT|RUN_DIR (a run dir: its newest checkpoint, or every one with --all), written
     as OUT/<checkpoint>.json, or LABEL=CHECKPOINT|RUN_DIR (LABEL: letters, digits, _ . + -), written as
@@ -112,20 +115,28 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
         return
     task_list = [t for t in tasks.split(",") if t.strip()] if tasks else None
     if hf_folder:
-        from train.eval.hf import score_hf
+        from train.eval.hf import generate_hf, score_hf
+        from train.eval.generative import is_generative
 
         try:
-            loaded = [load_task(t, limit or 200) for t in (task_list or EARLY_SIGNAL)]
-        except TaskError as e:
+            ecfg = cfgmod.load(TrainConfig, config_path, list(overrides)).eval  # eval.generation.* from --set
+            specs = task_list or list(EARLY_SIGNAL)
+            loaded = [load_task(t, limit or 200) for t in specs if not is_generative(t)]
+            gen_specs = [t for t in specs if is_generative(t)]
+            ecfg.tasks = gen_specs
+            ecfg.load_tasks()  # task files checked before the model is loaded
+        except (TaskError, cfgmod.ConfigError) as e:
             raise click.UsageError(str(e)) from None
-        res = score_hf(hf_folder, loaded)
+        res = score_hf(hf_folder, loaded) if loaded else {}
+        res |= generate_hf(hf_folder, gen_specs, limit if limit is not None else ecfg.limit, ecfg.generation) \
+            if gen_specs else {}
         path = out or os.path.join(hf_folder, "eval.json")
         with open(path, "w") as f:
             json.dump({"hf_folder": os.path.abspath(hf_folder), "tasks": res}, f, indent=1)
         for name, r in res.items():
             m = r["metrics"]
-            click.echo(f"{name:<16} acc {m['acc']:.3f}  acc_norm {m['acc_norm']:.3f}  acc_token {m['acc_token']:.3f}"
-                       f"  ({m['items']} items)")
+            click.echo(f"{name:<16} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items() if k != "items")
+                       + f"  ({m['items']} items)")
         click.echo(f"wrote {path}")
         return
     if not targets:

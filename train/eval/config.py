@@ -1,24 +1,45 @@
-"""`eval:` of the training config (and of `train eval`): when to evaluate, on what, and how to batch it.
+"""`eval:` of the training config (and of `train eval`): when to evaluate, on what, and how to batch it;
+`eval.generation:` how generative tasks (train.eval.generative) generate.
 
 Kept free of torch and megatron imports, so validating a config stays fast.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from storage.config import ConfigError
 from storage.evaltasks import Task, TaskError, load_task
 
 
 @dataclass
+class GenerationEvalConfig:
+    max_new_tokens: int | None = None  # null: the task's (lm-eval's max_gen_toks: gsm8k 256, ifeval 1280)
+    stop: list[str] | None = None    # stop strings; null: the task's (lm-eval's `until`), the tokenizer's EOS added
+    chat_template: bool | None = None  # null: the task's default (off for gsm8k_cot, on for gsm8k_cot_chat and ifeval)
+    batch_size: int = 32             # prompts generated together (train.generation.engine)
+    backend: Literal["auto", "continuous", "padded", "vllm"] = "auto"  # auto: vllm on a GPU when installed, else transformers
+
+    def validate(self) -> None:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ConfigError(f"key 'eval.generation.max_new_tokens': must be >= 1 or null, got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise ConfigError(f"key 'eval.generation.batch_size': must be >= 1, got {self.batch_size}")
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"key 'eval.generation.stop': a list of non-empty strings, got {self.stop!r}")
+
+
+@dataclass
 class EvalConfig:
     every: int = 0                   # steps between in-loop evaluations (0: none); with > 0 also after the last step
     validation_tokens: int = 65536   # held-out target tokens per source (0: no validation loss)
-    tasks: list[str] = field(default_factory=list)  # e.g. [hellaswag, arc_easy, mmlu, mine=path.jsonl]
+    # e.g. [hellaswag, arc_easy, mmlu, mine=path.jsonl]; generative: gsm8k_cot, gsm8k_cot_chat, ifeval (=path.jsonl: own docs)
+    tasks: list[str] = field(default_factory=list)
     limit: int | None = 200          # items per task: a deterministic subsample (null: every item)
     batch_tokens: int = 8192         # tokens per scoring batch (rows × longest row)
     max_length: int | None = None    # longest model input; null: model.max_position_embeddings (as lm-eval)
     shared_context: bool = True      # an item's candidates share one encoding of their context (local spec)
+    generation: GenerationEvalConfig = field(default_factory=GenerationEvalConfig)
 
     def validate(self) -> None:
         if self.every < 0:
@@ -30,8 +51,19 @@ class EvalConfig:
         if self.batch_tokens < 1:
             raise ConfigError(f"key 'eval.batch_tokens': must be >= 1, got {self.batch_tokens}")
 
+    def generative_tasks(self) -> list[str]:
+        from train.eval.generative import is_generative
+
+        return [t for t in self.tasks if is_generative(t)]
+
     def load_tasks(self) -> list[Task]:
+        """The log-likelihood tasks' items; generative task files are checked too (fields, JSON)."""
+        from train.eval.generative import is_generative, read_docs
+
         try:
-            return [load_task(t, self.limit) for t in self.tasks]
+            for spec in self.generative_tasks():
+                if "=" in spec:
+                    read_docs(spec)
+            return [load_task(t, self.limit) for t in self.tasks if not is_generative(t)]
         except TaskError as e:
             raise ConfigError(f"key 'eval.tasks': {e}") from None

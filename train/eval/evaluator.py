@@ -1,9 +1,11 @@
 """The evaluation run used in the training loop and by `train eval`: validation loss on the held-out split
-and log-likelihood multiple-choice tasks, through one `Scorer` on the model in memory.
+and log-likelihood multiple-choice tasks, through one `Scorer` on the model in memory, and generative tasks
+(train.eval.generative) on a transformers mirror of it.
 
 Everything that does not depend on the weights (task items, their token ids, tree rows, validation
-sequences) is built once; each call of `run()` only scores. Metrics come back flat
-(`val/<source>/{loss,ppl,bpb}`, `eval/<task>/{acc,acc_norm,acc_token}`), ready for the metric sinks.
+sequences, generative prompts) is built once; each call of `run()` only scores and generates. Metrics come
+back flat (`val/<source>/{loss,ppl,bpb}`, `eval/<task>/{acc,acc_norm,acc_token}`,
+`eval/gsm8k_cot/exact_match/strict-match`, ...), ready for the metric sinks.
 """
 from __future__ import annotations
 
@@ -27,10 +29,52 @@ def check_tokenizer(tokenizer_path: str, model_vocab: int) -> int:
     return n
 
 
+class Generative:
+    """Generative tasks on the model in memory: every rank hands its weights to a transformers mirror on
+    rank 0 (train.generation.sync), which generates with the engine and scores; the metrics go to every
+    rank, the per-item details stay on rank 0."""
+
+    def __init__(self, cfg, specs: list[str], tokenizer_path: str, par):
+        from train.generation.sync import HFMirror
+
+        self.cfg, self.par = cfg, par
+        self.mirror = HFMirror(cfg.model)
+        self.tasks, self.engine = [], None
+        if par.rank == 0:
+            from train.eval.generative import GenerativeTask
+            from train.generation.load import tokenizer_for
+
+            self.tok, template, self.eos = tokenizer_for(tokenizer_path)
+            g, m = cfg.eval.generation, cfg.model.resolved()
+            self.tasks = [GenerativeTask(s, cfg.eval.limit, self.tok, max_length=m.max_position_embeddings,
+                                         chat_template=template, chat=g.chat_template, max_new_tokens=g.max_new_tokens,
+                                         stop=g.stop) for s in specs]
+
+    def run(self, chunks: list) -> tuple[dict[str, float], dict]:
+        import torch.distributed as dist
+
+        model = self.mirror.sync(chunks)
+        metrics, details = {}, {}
+        if self.par.rank == 0:
+            from train.generation.engine import Engine
+
+            g = self.cfg.eval.generation
+            if self.engine is None:
+                self.engine = Engine(model, self.tok, self.eos, backend=g.backend, max_batch_size=g.batch_size)
+            for t in self.tasks:
+                m, d = t.run(self.engine)
+                metrics.update(m)
+                details[t.name] = {"generative": True, **d}
+        box = [metrics]
+        dist.broadcast_object_list(box, src=0)
+        return box[0], details
+
+
 class Evaluator:
     def __init__(self, scorer: Scorer, *, tasks: list[Task], tokenizer_path: str | None, eos_id: int | None,
-                 max_length: int, validation: ValidationSet | None, shared_context: bool = True):
-        self.scorer, self.tasks, self.validation = scorer, tasks, validation
+                 max_length: int, validation: ValidationSet | None, shared_context: bool = True,
+                 generative: Generative | None = None):
+        self.scorer, self.tasks, self.validation, self.generative = scorer, tasks, validation, generative
         self.trees = shared_context and supports_trees(scorer.model)
         self.rows: list[Row] = []
         self.where: dict[str, list[list[tuple[int, int]]]] = {}  # task → item → candidate → (row, span)
@@ -71,6 +115,10 @@ class Evaluator:
                 m = task_metrics(t.items, ll, self.n_tokens[t.name])
                 details[t.name] = {"metrics": m, "item_ids": [it.item_id for it in t.items], "logliks": ll}
                 metrics.update({f"eval/{t.name}/{k}": v for k, v in m.items() if k in ("acc", "acc_norm", "acc_token")})
+        if self.generative is not None:
+            gm, gd = self.generative.run(self.scorer.model)
+            metrics.update(gm)
+            details.update(gd)
         metrics["eval_time_s"] = time.perf_counter() - t0
         return metrics, details
 
@@ -86,6 +134,8 @@ def build_evaluator(cfg, model_chunks, par, tokenizer_path: str | None, dataset:
     ec = cfg.eval
     m = cfg.model.resolved()
     eos = None
+    if ec.tasks and tokenizer_path is None:
+        raise ConfigError("key 'eval.tasks': benchmarks need a tokenizer (the dataset's, or the checkpoint's)")
     if ec.tasks:
         check_tokenizer(tokenizer_path, m.vocab_size)
         found = resolve_eos(read_bytes(tokenizer_path), tokenizer_path)  # the dataset's EOS, as the export's
@@ -100,6 +150,8 @@ def build_evaluator(cfg, model_chunks, par, tokenizer_path: str | None, dataset:
         except NoValidationSet as e:
             warn(str(e))
     scorer = Scorer(model_chunks, par, batch_tokens=ec.batch_tokens)
+    specs = ec.generative_tasks()
     return Evaluator(scorer, tasks=ec.load_tasks(), tokenizer_path=tokenizer_path, eos_id=eos,
                      max_length=ec.max_length or m.max_position_embeddings, validation=validation,
-                     shared_context=ec.shared_context)
+                     shared_context=ec.shared_context,
+                     generative=Generative(cfg, specs, tokenizer_path, par) if specs else None)

@@ -126,3 +126,21 @@ def score_hf(folder: str, tasks: list[Task], batch_tokens: int = 16384) -> dict[
         out[task.name] = {"metrics": task_metrics(task.items, logliks[ti], n_tokens),
                           "item_ids": [it.item_id for it in task.items], "logliks": logliks[ti], "n_tokens": n_tokens}
     return out
+
+
+def generate_hf(folder: str, specs: list[str], limit: int | None, gen) -> dict[str, dict]:
+    """Generative tasks (train.eval.generative) on a HF folder: per task its details (metrics, items with
+    every generation). `gen`: an eval.generation section (GenerationEvalConfig)."""
+    from train.eval.generative import GenerativeTask
+    from train.generation.engine import Engine
+    from train.generation.load import load
+
+    model, tok, template, eos = load(folder)
+    engine = Engine(model, tok, eos, backend=gen.backend, max_batch_size=gen.batch_size)
+    out = {}
+    for spec in specs:
+        task = GenerativeTask(spec, limit, tok, max_length=model.config.max_position_embeddings, chat_template=template,
+                              chat=gen.chat_template, max_new_tokens=gen.max_new_tokens, stop=gen.stop)
+        _, details = task.run(engine)
+        out[task.name] = {"generative": True, **details}
+    return out

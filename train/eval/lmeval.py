@@ -117,3 +117,64 @@ def run_lmeval(folder: str, name: str, items: list[Item], workdir: str, batch_si
     metrics = res["results"][task]
     return {"logliks": logliks, "acc": float(metrics["acc,none"]), "acc_norm": float(metrics["acc_norm,none"]),
             "seconds": seconds}
+
+
+def lm_eval_tasks_dir() -> str:
+    """The installed lm-eval's task folder (its YAML configs)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("lm-eval is not installed (pip install lm-eval)")
+    return os.path.join(list(spec.submodule_search_locations)[0], "tasks")
+
+
+def run_lmeval_generative(folder: str, task_yaml: str, docs_file: str, workdir: str, *, batch_size: int = 16,
+                          apply_chat_template: bool = False, max_gen_toks: int | None = None) -> dict:
+    """lm-eval's HF backend on FOLDER for one of its generative tasks (`task_yaml` under lm_eval/tasks, e.g.
+    gsm8k/gsm8k-cot.yaml) over the docs in `docs_file`: {"generations": per doc (doc order), "filtered":
+    per doc {filter: answer}, "per_item": per doc {metric[,filter]: value}, "results": lm-eval's aggregated
+    results, "seconds": the simple_evaluate call}."""
+    import yaml
+
+    task = TASK_PREFIX + os.path.basename(task_yaml).removesuffix(".yaml").replace("-", "_")
+    os.makedirs(workdir, exist_ok=True)
+    cfg = {"task": task, "include": os.path.join(lm_eval_tasks_dir(), task_yaml), "dataset_path": "json",
+           "dataset_name": None, "test_split": "test",
+           "dataset_kwargs": {"data_files": {"test": os.path.abspath(docs_file)},
+                              "cache_dir": os.path.abspath(os.path.join(workdir, "hf_datasets_cache"))}}
+    if max_gen_toks is not None:  # `include` merges top-level keys only: the task's other generation settings stay
+        from lm_eval.tasks._yaml_loader import load_yaml
+
+        base = load_yaml(cfg["include"], resolve_func=False)
+        cfg["generation_kwargs"] = {**(base.get("generation_kwargs") or {}), "max_gen_toks": max_gen_toks}
+    with open(os.path.join(workdir, f"{task}.yaml"), "w") as f:
+        yaml.safe_dump(cfg, f)
+    from train.eval.generative import use_punkt
+
+    use_punkt()
+    with offline():
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+
+        t0 = time.perf_counter()
+        res = lm_eval.simple_evaluate(
+            model="hf", model_args=f"pretrained={os.path.abspath(folder)},dtype=float32", tasks=[task],
+            task_manager=TaskManager(include_path=os.path.abspath(workdir), include_defaults=False),
+            log_samples=True, batch_size=batch_size, device="cpu", bootstrap_iters=0,
+            apply_chat_template=apply_chat_template)
+        seconds = time.perf_counter() - t0
+    samples = sorted(res["samples"][task], key=lambda s: s["doc_id"])
+    per_item = []
+    filtered: list[dict] = []
+    by_doc: dict[int, dict] = {}
+    for s in samples:  # one sample per (doc, filter)
+        d = by_doc.setdefault(s["doc_id"], {"generation": s["resps"][0][0], "filtered": {}, "per_item": {}})
+        d["filtered"][s["filter"]] = s["filtered_resps"][0]
+        for m in s["metrics"]:
+            d["per_item"][m if s["filter"] == "none" else f"{m},{s['filter']}"] = s[m]
+    docs = [by_doc[k] for k in sorted(by_doc)]
+    per_item = [d["per_item"] for d in docs]
+    filtered = [d["filtered"] for d in docs]
+    return {"generations": [d["generation"] for d in docs], "filtered": filtered, "per_item": per_item,
+            "results": res["results"][task], "seconds": seconds}

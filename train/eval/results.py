@@ -165,14 +165,23 @@ def read_results(path: str) -> list[dict]:
     return sorted(recs, key=lambda r: r["step"])
 
 
+# generative tasks' columns in the table: lm-eval's metric[,filter] → a short header
+GENERATIVE_COLUMNS = {"exact_match,strict-match": "strict", "exact_match,flexible-extract": "flex",
+                      "prompt_level_strict_acc": "prompt-strict", "inst_level_loose_acc": "inst-loose"}
+
+
 def table(path: str, metric: str = "acc_norm") -> str:
     """One row per checkpoint: its label (if any record has one) or name, step, tokens, validation loss and
-    bpb, then `metric` for every task and their mean."""
+    bpb, then `metric` for every log-likelihood task and their mean, then the generative tasks' headline
+    metrics (GSM8K exact match, strict and flexible; IFEval prompt-level strict, instruction-level loose)."""
     recs = read_results(path)
     labeled = any(r.get("label") for r in recs)
-    tasks = sorted({t for r in recs for t in r.get("tasks", {})})
+    every = {t: d for r in recs for t, d in r.get("tasks", {}).items()}
+    tasks = sorted(t for t, d in every.items() if not d.get("generative"))
+    gen = [(t, k) for t in sorted(t for t, d in every.items() if d.get("generative"))
+           for k in GENERATIVE_COLUMNS if any(k in r.get("tasks", {}).get(t, {}).get("metrics", {}) for r in recs)]
     head = (["label" if labeled else "checkpoint", "step", "tokens", "val loss", "val bpb"] + tasks
-            + ([f"mean {metric}"] if tasks else []))
+            + ([f"mean {metric}"] if tasks else []) + [f"{t} {GENERATIVE_COLUMNS[k]}" for t, k in gen])
     rows = []
     for r in recs:
         m = r["metrics"]
@@ -182,12 +191,15 @@ def table(path: str, metric: str = "acc_norm") -> str:
                _f(m.get("val/all/loss"), 4), _f(m.get("val/all/bpb"), 3)] + [_f(v, 3) for v in vals]
         if tasks:
             row.append(_f(sum(known) / len(known), 3) if known else "-")
+        row += [_f(r.get("tasks", {}).get(t, {}).get("metrics", {}).get(k), 3) for t, k in gen]
         rows.append(row)
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
     lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
               for row in rows]
-    return "\n".join(lines) + f"\n({metric}; chance level is 1 / number of choices: 0.25 for 4, 0.5 for 2)"
+    note = f"({metric}; chance level is 1 / number of choices: 0.25 for 4, 0.5 for 2"
+    note += "; generative: exact match / instruction accuracy)" if gen else ")"
+    return "\n".join(lines) + "\n" + note
 
 
 def _f(v, digits: int) -> str:

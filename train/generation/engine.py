@@ -1,0 +1,265 @@
+"""The one generation engine: `train generate`, generative evaluation and RL rollouts all call
+`Engine.generate(prompts, SamplingParams)` on token ids and get `Completion`s back.
+
+Backends (`backend`):
+- `continuous`: transformers' continuous batching (the manager behind `generate_batch`): requests join and
+  leave the running batch as they start and finish, prompt blocks shared between requests with a common
+  prefix (few-shot prompts) are computed once, KV cache in pages. Stop strings, which it does not know,
+  are watched on the streamed tokens here and the request is cancelled.
+- `padded`: transformers' `generate` on batches of prompts sorted by length, left-padded, with a KV cache
+  and a stopping criterion per row (EOS ids and stop strings).
+- `vllm`: vLLM's `LLM` on a GPU, its weights handed over from ours (`load_weights`), never downloaded.
+`auto` picks vLLM when it is installed and a GPU is present, else `continuous` on a GPU when the installed
+transformers has it, else `padded`: on CPU, transformers' paged attention made continuous batching 2.8x
+slower than padded batches of 16 (32 prompts, 48 new tokens, the demo model; docs/benchmarks.md).
+
+Semantics shared by every backend: a sequence ends at one of `eos_ids` / `stop_token_ids` (kept as its
+last token) or once its decoded text (special tokens kept, as lm-eval's stopping criterion decodes it)
+contains a stop string (tokens up to the one that completed it are kept), or after `max_new_tokens`.
+Token ids the tokenizer does not have (vocabulary padding rows) are never generated. Greedy output equals
+transformers' `generate` at batch size 1 on the same weights (tests/train/test_generation_engine.py).
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+
+BACKENDS = ("auto", "continuous", "padded", "vllm")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0             # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                       # 0: off
+    n: int = 1                           # completions per prompt
+    seed: int = 0                        # sampling seed (one generation call is reproducible for a given backend)
+    stop: tuple[str, ...] = ()           # stop strings
+    stop_token_ids: tuple[int, ...] = ()  # stop tokens besides the engine's EOS ids
+    logprobs: bool = False               # also return each generated token's log-prob (of logits / temperature)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    finish_reason: str                   # "stop" (a stop token or string) or "length"
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class StopChecker:
+    """Where a sequence ends: at a stop token, or at the token that completes a stop string in its text."""
+    tokenizer: object
+    stop_ids: set[int]
+    stops: tuple[str, ...] = ()
+    window: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        # a stop string of c characters lies within the last c + 1 tokens that complete it
+        self.window = max((len(s) for s in self.stops), default=0) + 2
+
+    def end(self, tokens: list[int]) -> int | None:
+        """Tokens to keep if `tokens` (a growing sequence) has ended at its last token, else None."""
+        if not tokens:
+            return None
+        if tokens[-1] in self.stop_ids:
+            return len(tokens)
+        if self.stops:
+            tail = self.tokenizer.decode(tokens[-self.window:], skip_special_tokens=False)
+            if any(s in tail for s in self.stops):
+                return len(tokens)
+        return None
+
+
+class Engine:
+    def __init__(self, model, tokenizer, eos_ids: list[int], *, backend: str = "auto", max_batch_size: int = 64):
+        if backend not in BACKENDS:
+            raise ValueError(f"generation backend {backend!r}: one of {', '.join(BACKENDS)}")
+        self.model, self.tokenizer, self.eos_ids = model.eval(), tokenizer, list(eos_ids)
+        self.max_batch_size = max_batch_size
+        self.backend = resolve_backend(backend, model)
+        self._vllm = None
+        self._mask_vocab_padding()
+
+    # ---------------------------------------------------------------- public
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions for each prompt (token ids), in prompt order."""
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("a prompt encodes to no tokens")
+        flat = [p for p in prompts for _ in range(params.n)]
+        checker = StopChecker(self.tokenizer, set(self.eos_ids) | set(params.stop_token_ids), tuple(params.stop))
+        run = {"continuous": self._continuous, "padded": self._padded, "vllm": self._vllm_generate}[self.backend]
+        done = run(flat, params, checker)
+        return [done[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """New weights (HF names), e.g. the trainer's after an optimizer step."""
+        if self._vllm is not None:
+            _vllm_load(self._vllm, state_dict)
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise ValueError(f"weights do not fit the model (missing {missing}, unexpected {unexpected})")
+
+    # ---------------------------------------------------------------- backends
+    def _generation_config(self, params: SamplingParams, **extra):
+        from transformers import GenerationConfig
+
+        kw = dict(max_new_tokens=params.max_new_tokens, eos_token_id=sorted(
+            set(self.eos_ids) | set(params.stop_token_ids)) or None, pad_token_id=self._pad_id(), **extra)
+        if params.temperature > 0:
+            kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                      top_k=params.top_k or None)
+        else:
+            kw.update(do_sample=False)
+        return GenerationConfig(**kw)
+
+    def _padded(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        out: list[Completion | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # as lm-eval: longest first
+        pad = self._pad_id()
+        for b, start in enumerate(range(0, len(order), self.max_batch_size)):
+            rows = order[start:start + self.max_batch_size]
+            width = max(len(prompts[i]) for i in rows)
+            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in rows])
+            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows])
+            ends: list[int | None] = [None] * len(rows)
+
+            class _Stop(StoppingCriteria):
+                def __call__(self, input_ids, scores, **kwargs):
+                    for r in range(len(rows)):
+                        if ends[r] is None:
+                            ends[r] = checker.end(input_ids[r, width:].tolist())
+                    return torch.tensor([e is not None for e in ends])
+
+            if params.temperature > 0:
+                torch.manual_seed(params.seed * 1_000_003 + b)
+            with torch.no_grad():
+                gen = self._generation_config(params, return_dict_in_generate=True, output_logits=params.logprobs)
+                res = self.model.generate(ids, attention_mask=mask, generation_config=gen,
+                                          stopping_criteria=StoppingCriteriaList([_Stop()]))
+            seqs = res.sequences[:, width:]
+            for r, i in enumerate(rows):
+                toks = seqs[r].tolist()
+                keep = ends[r] if ends[r] is not None else len(toks)
+                lp = None
+                if params.logprobs:
+                    steps = torch.stack([lg[r] for lg in res.logits[:keep]]).float()
+                    lp = torch.log_softmax(steps / (params.temperature or 1.0), -1).gather(
+                        1, seqs[r, :keep, None]).squeeze(1).tolist()
+                out[i] = Completion(toks[:keep], "stop" if ends[r] is not None else "length", lp)
+        return out
+
+    def _continuous(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
+        from transformers import ContinuousBatchingConfig
+
+        cb = ContinuousBatchingConfig(return_logprobs=params.logprobs, seed=params.seed,
+                                      max_requests_per_batch=self.max_batch_size)
+        gen = self._generation_config(params)
+        watch = bool(checker.stops)
+        out: dict[str, Completion] = {}
+        if params.temperature > 0:
+            torch.manual_seed(params.seed)
+        with self.model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
+                                                            block=True, timeout=60, warmup=False) as manager:
+            ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=params.max_new_tokens,
+                                       streaming=watch) for i, p in enumerate(prompts)]
+            pending = set(ids)
+            while pending:
+                res = manager.get_result(timeout=5)
+                if res is None:
+                    if not manager.is_running():
+                        raise RuntimeError(f"continuous batching stopped with {len(pending)} requests unfinished")
+                    continue
+                rid = res.request_id
+                if rid not in pending:
+                    continue  # a cancelled request's later outputs
+                if res.error is not None:
+                    raise RuntimeError(f"generation of request {rid} failed: {res.error}")
+                toks = list(res.generated_tokens)
+                keep = checker.end(toks) if watch else None
+                if keep is None and not res.is_finished():
+                    continue
+                if keep is not None and not res.is_finished():
+                    manager.cancel_request(rid)
+                n = keep if keep is not None else len(toks)
+                stopped = keep is not None or (toks and toks[-1] in checker.stop_ids)
+                out[rid] = Completion(toks[:n], "stop" if stopped else "length",
+                                      list(res.logprobs[:n]) if params.logprobs else None)
+                pending.discard(rid)
+        return [out[i] for i in ids]
+
+    def _vllm_generate(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
+        from vllm import SamplingParams as VP
+
+        if self._vllm is None:
+            self._vllm = _vllm_engine(self.model, self.tokenizer)
+        vp = VP(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
+                max_tokens=params.max_new_tokens, seed=params.seed, stop=list(params.stop) or None,
+                stop_token_ids=sorted(checker.stop_ids), include_stop_str_in_output=True,
+                logprobs=0 if params.logprobs else None, skip_special_tokens=False)
+        outs = self._vllm.generate([{"prompt_token_ids": p} for p in prompts], vp, use_tqdm=False)
+        done = []
+        for o in outs:
+            c = o.outputs[0]
+            lp = [next(iter(d.values())).logprob for d in c.logprobs] if params.logprobs else None
+            done.append(Completion(list(c.token_ids), "length" if c.finish_reason == "length" else "stop", lp))
+        return done
+
+    # ---------------------------------------------------------------- helpers
+    def _pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+
+    def _mask_vocab_padding(self) -> None:
+        """Logits of ids past the tokenizer's vocabulary (embedding rows padded for fast GEMMs) → -inf."""
+        n = len(self.tokenizer)
+        head = self.model.get_output_embeddings()
+        if head is None or head.weight.shape[0] <= n or getattr(head, "_smoltrain_vocab", None) == n:
+            return
+
+        def hook(_module, _inputs, logits):
+            logits[..., n:] = float("-inf")
+            return logits
+        head.register_forward_hook(hook)
+        head._smoltrain_vocab = n
+
+
+def resolve_backend(backend: str, model) -> str:
+    if backend == "vllm" and not (importlib.util.find_spec("vllm") and torch.cuda.is_available()):
+        raise ValueError("generation backend vllm needs the vllm package and a CUDA GPU (pip install vllm)")
+    if backend != "auto":
+        return backend
+    if importlib.util.find_spec("vllm") and torch.cuda.is_available():
+        return "vllm"
+    on_gpu = next(model.parameters()).is_cuda
+    return "continuous" if on_gpu and hasattr(model, "continuous_batching_context_manager") else "padded"
+
+
+def _vllm_engine(model, tokenizer):
+    """A vLLM engine with our model's weights: its config and tokenizer written to a local folder with
+    the weights, so vLLM builds the same architecture; nothing is downloaded."""
+    import tempfile
+
+    from vllm import LLM
+
+    folder = tempfile.mkdtemp(prefix="smoltrain-vllm-")
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return LLM(model=folder, tokenizer=folder, dtype=str(model.dtype).removeprefix("torch."),
+               gpu_memory_utilization=0.3, enable_prefix_caching=True, seed=0)
+
+
+def _vllm_load(llm, state_dict: dict[str, torch.Tensor]) -> None:
+    """Hand new weights to a running vLLM engine (its model's `load_weights`, as TRL's colocated mode does)."""
+    items = list(state_dict.items())
+    if hasattr(llm, "collective_rpc"):
+        llm.collective_rpc(lambda self: self.model_runner.model.load_weights(weights=items))
+    else:
+        llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(items)
