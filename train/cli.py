@@ -104,7 +104,7 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
     import json
     import os
 
-    from storage.evaltasks import EARLY_SIGNAL, TaskError, load_task
+    from storage.evaltasks import EARLY_SIGNAL, TaskError
     from train.eval import results
 
     if table_dir:
@@ -115,13 +115,14 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
         return
     task_list = [t for t in tasks.split(",") if t.strip()] if tasks else None
     if hf_folder:
-        from train.eval.hf import generate_hf, score_hf
+        from train.eval.config import load_mc_task
         from train.eval.generative import is_generative
+        from train.eval.hf import generate_hf, score_hf
 
         try:
             ecfg = cfgmod.load(TrainConfig, config_path, list(overrides)).eval  # eval.generation.* from --set
             specs = task_list or list(EARLY_SIGNAL)
-            loaded = [load_task(t, limit or 200) for t in specs if not is_generative(t)]
+            loaded = [load_mc_task(t, limit or 200) for t in specs if not is_generative(t)]
             gen_specs = [t for t in specs if is_generative(t)]
             ecfg.tasks = gen_specs
             ecfg.load_tasks()  # task files checked before the model is loaded

@@ -2,12 +2,11 @@
 EOS / BOS / padding, generation config) that transformers and lm-eval's HF backend load, and `score_hf`
 (train eval --hf) gives the same per-candidate log-likelihoods and accuracies as lm-evaluation-harness.
 
-The model is a small random-init Llama built by transformers, written as a raw smoltrain checkpoint (the
-Megatron tensor layout) next to a dataset manifest and a BPE tokenizer trained on ../shared/corpora, then
-exported through the CLI; no training, no download (lm-eval runs offline)."""
+The model is the small random-init Llama of tests/train/conftest.py (a raw smoltrain checkpoint next to a
+dataset manifest and a BPE tokenizer trained on ../shared/corpora, exported through the CLI); no training,
+no download (lm-eval runs offline)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,100 +14,21 @@ import shutil
 import pytest
 import torch
 
-from testutil import read_corpus, require
+from testutil import require
 
 require("transformers")
 require("lm_eval")
 
-EOS = "<|endoftext|>"
-SHAPE = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=96, vocab_size=1024,
-             max_position_embeddings=128, rope_theta=10000.0, norm_eps=1e-5)
+from tinyllama import EOS, SHAPE  # noqa: E402 - the shared tiny model (fixture tiny_hf: tests/train/conftest.py)
 TASKS = ("arc_easy", "piqa", "hellaswag")
 PER_TASK = 20
 
 
-def _megatron_tensors(model) -> dict[str, torch.Tensor]:
-    """The inverse of export_hf.to_llama: HF Llama weights → stacked Megatron keys."""
-    sd, cfg = model.state_dict(), model.config
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    hd, per = cfg.hidden_size // heads, heads // kv
-    layers = range(cfg.num_hidden_layers)
-
-    def stack(fn):
-        return torch.stack([fn(f"model.layers.{i}.") for i in layers])
-
-    def qkv(p):
-        q = sd[p + "self_attn.q_proj.weight"].reshape(kv, per * hd, -1)
-        k = sd[p + "self_attn.k_proj.weight"].reshape(kv, hd, -1)
-        v = sd[p + "self_attn.v_proj.weight"].reshape(kv, hd, -1)
-        return torch.cat([q, k, v], dim=1).reshape(kv * (per + 2) * hd, -1)
-
-    return {
-        "embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-        "decoder.final_layernorm.weight": sd["model.norm.weight"],
-        "decoder.layers.self_attention.linear_qkv.weight": stack(qkv),
-        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": stack(lambda p: sd[p + "input_layernorm.weight"]),
-        "decoder.layers.self_attention.linear_proj.weight": stack(lambda p: sd[p + "self_attn.o_proj.weight"]),
-        "decoder.layers.mlp.linear_fc1.layer_norm_weight": stack(lambda p: sd[p + "post_attention_layernorm.weight"]),
-        "decoder.layers.mlp.linear_fc1.weight": stack(lambda p: torch.cat([sd[p + "mlp.gate_proj.weight"],
-                                                                           sd[p + "mlp.up_proj.weight"]])),
-        "decoder.layers.mlp.linear_fc2.weight": stack(lambda p: sd[p + "mlp.down_proj.weight"]),
-    }
-
-
-def _write_checkpoint(root: str, model, meta: dict) -> str:
-    from train.checkpoint import layout
-    from train.checkpoint.incremental import Piece, write_raw
-
-    tmp = layout.tmp_dir_for(root, 1)
-    os.makedirs(tmp)
-    pieces = [Piece(k, tuple(t.shape), (0,) * t.dim(), t.detach().clone().contiguous())
-              for k, t in _megatron_tensors(model).items()]
-    stats = write_raw(tmp, 0, pieces)
-    layout.commit(tmp, root, 1, "full", None, {"meta": meta}, hashed=stats["files"])
-    return os.path.join(root, layout.ckpt_name(1))
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(HF folder written by `train ckpt export`, the transformers model it came from, EOS id)."""
-    from click.testing import CliRunner
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from datapipe.tokenize import train_bpe
-    from storage.manifest import Manifest, TokenizerInfo, write_manifest
-    from train.checkpoint.cli import ckpt
-
-    base = tmp_path_factory.mktemp("evalhf")
-    ds = base / "ds"
-    texts = [d["text"] for d in read_corpus("shakespeare", 300)] + [d["text"] for d in read_corpus("fortunes", 300)]
-    tok_path = train_bpe(texts, 1000, EOS, str(ds / "tokenizer.json"))
-    from tokenizers import Tokenizer
-
-    eos_id = Tokenizer.from_file(tok_path).token_to_id(EOS)
-    sha = hashlib.sha256(open(tok_path, "rb").read()).hexdigest()
-    write_manifest(str(ds), Manifest(TokenizerInfo("tokenizer.json", sha, 1000, eos_id, "uint16"), {}, []))
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"],
-                      intermediate_size=SHAPE["ffn_hidden_size"], num_hidden_layers=SHAPE["num_layers"],
-                      num_attention_heads=SHAPE["num_heads"], num_key_value_heads=SHAPE["num_kv_heads"],
-                      max_position_embeddings=SHAPE["max_position_embeddings"], rope_theta=SHAPE["rope_theta"],
-                      rms_norm_eps=SHAPE["norm_eps"], tie_word_embeddings=True, initializer_range=0.1)
-    model = LlamaForCausalLM(cfg).eval()
-    ck = _write_checkpoint(str(base / "ckpt"), model,
-                           {"model": {"preset": "tiny", **SHAPE}, "tokenizer": str(ds / "tokenizer.json")})
-    out = base / "hf"
-    r = CliRunner().invoke(ckpt, ["export", ck, str(out)])
-    assert r.exit_code == 0, r.output + repr(r.exception)
-    return str(out), model, eos_id
-
-
-def test_export_writes_a_complete_hf_folder(exported):
+def test_export_writes_a_complete_hf_folder(tiny_hf):
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    folder, model, eos_id = exported
+    folder, model, eos_id = tiny_hf[:3]
     assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model.safetensors",
                                           "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
     tok = AutoTokenizer.from_pretrained(folder)
@@ -155,12 +75,12 @@ def test_eos_comes_from_the_dataset_manifest(tmp_path):
     assert resolve_eos(tok.to_str().encode(), str(tmp_path / "elsewhere.json")) == ("<eos>", 4)
 
 
-def test_lm_eval_hf_backend_needs_the_tokenizer_config(exported, tmp_path):
+def test_lm_eval_hf_backend_needs_the_tokenizer_config(tiny_hf, tmp_path):
     """The reported failure: without tokenizer_config.json lm-eval knows no EOS (prefix_token_id None)."""
     from storage.evaltasks import load_task
     from train.eval.lmeval import run_lmeval
 
-    folder, _, _ = exported
+    folder, _, _ = tiny_hf[:3]
     items = load_task("piqa", limit=3).items
     res = run_lmeval(folder, "piqa", items, str(tmp_path / "ok"), batch_size=4)
     assert [len(ll) for ll in res["logliks"]] == [len(it.requests) for it in items]
@@ -175,14 +95,14 @@ def test_lm_eval_hf_backend_needs_the_tokenizer_config(exported, tmp_path):
         run_lmeval(str(old), "piqa", items, str(tmp_path / "old"), batch_size=4)
 
 
-def test_score_hf_matches_lm_eval_harness(exported, tmp_path):
+def test_score_hf_matches_lm_eval_harness(tiny_hf, tmp_path):
     from tokenizers import Tokenizer
 
     from storage.evaltasks import load_task
     from train.eval.hf import score_hf
     from train.eval.lmeval import run_lmeval
 
-    folder, _, _ = exported
+    folder, _, _ = tiny_hf[:3]
     tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     tasks = [load_task(name, limit=PER_TASK) for name in TASKS]
     ours = score_hf(folder, tasks, batch_tokens=1024)  # several batches per task

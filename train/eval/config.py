@@ -64,6 +64,18 @@ class EvalConfig:
             for spec in self.generative_tasks():
                 if "=" in spec:
                     read_docs(spec)
-            return [load_task(t, self.limit) for t in self.tasks if not is_generative(t)]
+            return [load_mc_task(t, self.limit) for t in self.tasks if not is_generative(t)]
         except TaskError as e:
             raise ConfigError(f"key 'eval.tasks': {e}") from None
+
+
+def load_mc_task(spec: str, limit: int | None) -> Task:
+    """storage.evaltasks.load_task; an unknown name's error also lists the generative tasks."""
+    from train.eval.generative import TASKS
+
+    try:
+        return load_task(spec, limit)
+    except TaskError as e:
+        if str(e).startswith("unknown task"):
+            raise TaskError(f"{e}; generative: {', '.join(TASKS)}") from None
+        raise

@@ -138,7 +138,8 @@ def build_evaluator(cfg, model_chunks, par, tokenizer_path: str | None, dataset:
         raise ConfigError("key 'eval.tasks': benchmarks need a tokenizer (the dataset's, or the checkpoint's)")
     if ec.tasks:
         check_tokenizer(tokenizer_path, m.vocab_size)
-        found = resolve_eos(read_bytes(tokenizer_path), tokenizer_path)  # the dataset's EOS, as the export's
+        found = resolve_eos(read_bytes(tokenizer_path), tokenizer_path,  # the dataset's EOS, as the export's
+                            _hf_eos_token(tokenizer_path))
         if found is None:
             raise ConfigError(f"tokenizer {tokenizer_path}: its EOS is unknown (no dataset manifest beside it, "
                               "not exactly one special token); the EOS prefixes empty contexts")
@@ -155,3 +156,16 @@ def build_evaluator(cfg, model_chunks, par, tokenizer_path: str | None, dataset:
                      max_length=ec.max_length or m.max_position_embeddings, validation=validation,
                      shared_context=ec.shared_context,
                      generative=Generative(cfg, specs, tokenizer_path, par) if specs else None)
+
+
+def _hf_eos_token(tokenizer_path: str) -> str | None:
+    """The EOS of a HF tokenizer folder's tokenizer_config.json (an imported checkpoint's carried files)."""
+    import json
+    import os
+
+    cfg = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json")
+    if "://" in tokenizer_path or not os.path.isfile(cfg):
+        return None
+    with open(cfg) as f:
+        eos = json.load(f).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos

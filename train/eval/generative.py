@@ -89,7 +89,7 @@ def _lm_eval_task(name: str, docs: list[dict], workdir: str):
     """lm-eval's Task for `name` over `docs`: its installed YAML included by a local config."""
     import yaml
 
-    from train.eval.lmeval import lm_eval_tasks_dir, offline
+    from train.eval.lmeval import lm_eval_tasks_dir, offline, use_punkt
 
     use_punkt()
     data = os.path.join(workdir, f"{name}.jsonl")
@@ -108,17 +108,6 @@ def _lm_eval_task(name: str, docs: list[dict], workdir: str):
         datasets.disable_progress_bars()
 
         return get_task_dict([local], TaskManager(include_path=workdir, include_defaults=False))[local], data
-
-
-def use_punkt() -> None:
-    """NLTK's English Punkt tables from train/eval/data (IFEval's checkers would download them otherwise)."""
-    path = os.path.join(DATA, "nltk")
-    if path not in os.environ.get("NLTK_DATA", ""):
-        os.environ["NLTK_DATA"] = os.pathsep.join(p for p in (path, os.environ.get("NLTK_DATA")) if p)
-    import nltk
-
-    if path not in nltk.data.path:
-        nltk.data.path.insert(0, path)
 
 
 class GenerativeTask:

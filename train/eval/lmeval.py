@@ -1,5 +1,9 @@
-"""Reference scores from lm-evaluation-harness itself (its HF backend on a Hugging Face folder), for the
-parity tests and benchmarks of our scorers: the items become a local lm-eval task (a JSONL file and a YAML
+"""lm-evaluation-harness itself: its task folder, an offline environment and NLTK's Punkt tables for its
+IFEval checkers (used by train.eval.generative), and reference runs of its HF backend on a Hugging Face
+folder for the parity tests and benchmarks: log-likelihood items (below) and generative tasks
+(`run_lmeval_generative`).
+
+Log-likelihood references: the items become a local lm-eval task (a JSONL file and a YAML
 config in `workdir`), run fully offline on CPU with `lm_eval.simple_evaluate`, and the per-candidate
 log-likelihoods are read back from the logged samples.
 
@@ -150,8 +154,6 @@ def run_lmeval_generative(folder: str, task_yaml: str, docs_file: str, workdir: 
         cfg["generation_kwargs"] = {**(base.get("generation_kwargs") or {}), "max_gen_toks": max_gen_toks}
     with open(os.path.join(workdir, f"{task}.yaml"), "w") as f:
         yaml.safe_dump(cfg, f)
-    from train.eval.generative import use_punkt
-
     use_punkt()
     with offline():
         import lm_eval
@@ -178,3 +180,14 @@ def run_lmeval_generative(folder: str, task_yaml: str, docs_file: str, workdir: 
     filtered = [d["filtered"] for d in docs]
     return {"generations": [d["generation"] for d in docs], "filtered": filtered, "per_item": per_item,
             "results": res["results"][task], "seconds": seconds}
+
+
+def use_punkt() -> None:
+    """NLTK's English Punkt tables from train/eval/data (IFEval's checkers would download them otherwise)."""
+    path = os.path.join(os.path.dirname(__file__), "data", "nltk")
+    if path not in os.environ.get("NLTK_DATA", ""):
+        os.environ["NLTK_DATA"] = os.pathsep.join(p for p in (path, os.environ.get("NLTK_DATA")) if p)
+    import nltk
+
+    if path not in nltk.data.path:
+        nltk.data.path.insert(0, path)

@@ -90,13 +90,20 @@ def resolve_config(ckpt: str, config_path: str | None, overrides: list[str]) -> 
 
 
 def checkpoint_tokenizer(cfg: TrainConfig, ckpt: str) -> str | None:
-    """The tokenizer the benchmarks are encoded with: the dataset's, else the one the checkpoint recorded."""
+    """The tokenizer the benchmarks are encoded with: the dataset's, else the one the checkpoint recorded,
+    else the one an imported checkpoint carries (its HF tokenizer files)."""
     if cfg.data.dataset and not cfg.debug.synthetic_data:
         from storage import fs
         from storage.manifest import read_manifest
 
         return fs.join(cfg.data.dataset, read_manifest(cfg.data.dataset).tokenizer.file)
-    return (layout.read_manifest(fsspec.filesystem("file"), ckpt).get("meta") or {}).get("tokenizer")
+    from train.checkpoint.export_hf import carried_dir
+
+    m = layout.read_manifest(fsspec.filesystem("file"), ckpt)
+    carried = carried_dir(ckpt, m)
+    if carried and os.path.isfile(os.path.join(carried, "tokenizer.json")):
+        return (m.get("meta") or {}).get("tokenizer") or os.path.join(carried, "tokenizer.json")
+    return (m.get("meta") or {}).get("tokenizer")
 
 
 def launch(ckpts: list[str], cfg: TrainConfig, out_dir: str, nproc: int, tokenizer: str | None = None,

@@ -1,0 +1,90 @@
+"""Generative evaluation (train.eval.generative): on the tiny Llama of tests/train/conftest.py, `train eval
+--hf` gives the same generations, extracted answers and per-item scores as lm-evaluation-harness's HF
+backend (batch size 1) for gsm8k_cot and for ifeval with the chat template; a checkpoint evaluated under
+TP=2 (its weights mirrored from the Megatron model) gives the same generations; bad input is one line
+naming the key, file and line; `train eval --table` shows the generative columns."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from testutil import require
+
+require("lm_eval")
+N_NEW = 16
+LIMIT = 3
+
+
+@pytest.fixture(scope="module")
+def hf_results(tiny_hf, tmp_path_factory):
+    from train.cli import main
+
+    out = tmp_path_factory.mktemp("geneval") / "eval.json"
+    r = CliRunner().invoke(main, ["eval", "--hf", tiny_hf[0], "--tasks", "gsm8k_cot,ifeval", "--limit", str(LIMIT),
+                                  "--set", f"eval.generation.max_new_tokens={N_NEW}", "--out", str(out)])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert "gsm8k_cot" in r.output and "inst_level_loose_acc" in r.output
+    return json.loads(out.read_text())["tasks"]
+
+
+@pytest.mark.parametrize("task,yaml_path,chat", [("gsm8k_cot", "gsm8k/gsm8k-cot.yaml", False),
+                                                 ("ifeval", "ifeval/ifeval.yaml", True)])
+def test_same_generations_and_scores_as_lm_eval(tiny_hf, hf_results, tmp_path, task, yaml_path, chat):
+    from train.eval.generative import read_docs
+    from train.eval.lmeval import run_lmeval_generative
+
+    ours = hf_results[task]
+    assert ours["chat"] is chat and ours["metrics"]["items"] == LIMIT
+    _, docs, _ = read_docs(task, LIMIT)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    ref = run_lmeval_generative(tiny_hf[0], yaml_path, str(tmp_path / "docs.jsonl"), str(tmp_path / "lm"),
+                                batch_size=1, apply_chat_template=chat, max_gen_toks=N_NEW)
+    assert [it["generation"] for it in ours["items"]] == ref["generations"]
+    assert any(g.strip() for g in ref["generations"])  # the model wrote something
+    for it, want, filt in zip(ours["items"], ref["per_item"], ref["filtered"], strict=True):
+        assert {k: v for k, v in it.items() if k in want} == want
+        assert {k.split(",", 1)[1]: v for k, v in it.items() if k.startswith("filtered,")} == \
+            {k: v for k, v in filt.items() if k != "none"}
+    for k, v in ours["metrics"].items():
+        if k != "items":
+            assert v == pytest.approx(float(ref["results"][k if "," in k else f"{k},none"]))
+
+
+def test_a_checkpoint_under_tp2_generates_what_its_export_generates(tiny_hf, hf_results, tmp_path):
+    from train.cli import main
+
+    r = CliRunner().invoke(main, ["ckpt", "import", tiny_hf[0], str(tmp_path / "ck")])  # a Megatron checkpoint
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    r = CliRunner().invoke(main, ["eval", str(tmp_path / "ck"), "--tasks", "gsm8k_cot", "--limit", str(LIMIT),
+                                  "--nproc", "2", "--set", "parallel.tp=2", "--set", "data.seq_len=64",
+                                  "--set", f"eval.generation.max_new_tokens={N_NEW}", "--validation-tokens", "0",
+                                  "--out", str(tmp_path / "res")])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    (res,) = [json.loads(p.read_text()) for p in (tmp_path / "res").glob("*.json")]
+    assert res["layout"]["tp"] == 2
+    got = res["tasks"]["gsm8k_cot"]
+    assert [it["generation"] for it in got["items"]] == [it["generation"] for it in hf_results["gsm8k_cot"]["items"]]
+    assert res["metrics"]["eval/gsm8k_cot/exact_match/strict-match"] == got["metrics"]["exact_match,strict-match"]
+    r = CliRunner().invoke(main, ["eval", "--table", str(tmp_path / "res")])
+    assert r.exit_code == 0 and "gsm8k_cot strict" in r.output and "gsm8k_cot flex" in r.output, r.output
+
+
+def test_bad_input_is_one_line_naming_the_key_file_and_line(tiny_hf, tmp_path):
+    from train.cli import main
+
+    folder = tiny_hf[0]
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n{"question": "2 + 2?"}\n')
+    cases = [(["--tasks", "gsm8k_cott"], "unknown task 'gsm8k_cott'; available: hellaswag"),
+             (["--tasks", "gsm8k_cot", "--set", "eval.generation.max_new_token=8"], "eval.generation.max_new_token"),
+             (["--tasks", f"gsm8k_cot={bad}"], f"{bad}:2: missing field 'answer'"),
+             (["--tasks", "ifeval", "--set", "eval.generation.batch_size=0"], "key 'eval.generation.batch_size'")]
+    for args, want in cases:
+        r = CliRunner().invoke(main, ["eval", "--hf", folder, *args])
+        errors = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+        assert r.exit_code == 2 and len(errors) == 1 and want in errors[0], (args, r.output)
+        assert "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(main, ["eval", "--hf", folder, "--tasks", "gsm8k_cott"])
+    assert "generative: gsm8k_cot, gsm8k_cot_chat, ifeval" in r.output

@@ -1,0 +1,146 @@
+"""The generation engine (train.generation.engine) on the tiny Llama of tests/train/conftest.py: greedy output
+of every CPU backend equals transformers' `generate` at batch size 1 (vocabulary padding rows suppressed)
+on 36 prompts of 1 to 70 tokens
+(batches of 8, so left padding varies within a batch), stop strings end a sequence at the token that
+completes them, stop tokens are kept, sampling repeats with its seed and returns the log-probs the model
+gives its tokens, vocabulary padding rows are never generated, speculative decoding with a draft gives the
+target's greedy output, and the Megatron model in memory (TP=2) mirrors into the same transformers model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from testutil import read_corpus
+
+N_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_hf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    folder = tiny_hf[0]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    stream = tok(" ".join(d["text"] for d in read_corpus("fortunes", 200)), add_special_tokens=False)["input_ids"]
+    prompts = [stream[i * 37: i * 37 + 1 + (i * 23) % 70] for i in range(36)]  # 36 lengths, 1 to 70 tokens
+    eos = [tok.eos_token_id]
+    ref = []
+    padding_rows = list(range(len(tok), model.config.vocab_size))  # never generated (the engine's rule)
+    assert padding_rows
+    for ids in prompts:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(
+                max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                suppress_tokens=padding_rows))
+        ref.append(out[0, len(ids):].tolist())
+    return model, tok, prompts, ref, eos
+
+
+@pytest.mark.parametrize("backend", ["padded", "continuous"])
+def test_greedy_equals_generate_at_batch_size_1(setup, backend):
+    from train.generation.engine import Engine, SamplingParams
+
+    model, tok, prompts, ref, eos = setup
+    assert len({len(p) for p in prompts}) > 20 and min(map(len, prompts)) == 1
+    eng = Engine(model, tok, eos, backend=backend, max_batch_size=8)
+    got = eng.generate(prompts, SamplingParams(max_new_tokens=N_NEW))
+    assert [c[0].token_ids for c in got] == ref
+    assert all(c[0].finish_reason == ("stop" if r[-1] in eos else "length") for c, r in zip(got, ref, strict=True))
+
+
+@pytest.mark.parametrize("backend", ["padded", "continuous"])
+def test_stop_strings_and_stop_tokens(setup, backend):
+    from train.generation.engine import Engine, SamplingParams
+
+    model, tok, prompts, ref, eos = setup
+    eng = Engine(model, tok, eos, backend=backend, max_batch_size=8)
+    # a stop string taken from the middle of prompt 3's greedy continuation: it ends there, and only there
+    r = ref[3]
+    stop = tok.decode(r[6:8])
+    cut = next(k for k in range(1, len(r) + 1) if stop in tok.decode(r[:k]))
+    assert cut <= 8
+    got = eng.generate([prompts[3], prompts[4]], SamplingParams(max_new_tokens=N_NEW, stop=(stop,)))
+    assert got[0][0].token_ids == r[:cut] and got[0][0].finish_reason == "stop"
+    other = ref[4]
+    k4 = next((k for k in range(1, len(other) + 1) if stop in tok.decode(other[:k])), len(other))
+    assert got[1][0].token_ids == other[:k4]
+    if backend == "continuous":
+        return
+    # a stop token is generated and kept as the last token
+    tid = r[5]
+    got = eng.generate([prompts[3]], SamplingParams(max_new_tokens=N_NEW, stop_token_ids=(tid,)))
+    assert got[0][0].token_ids == r[:r.index(tid) + 1] and got[0][0].finish_reason == "stop"
+
+
+def test_sampling_repeats_with_its_seed_and_returns_the_models_log_probs(setup):
+    from train.generation.engine import Engine, SamplingParams
+
+    model, tok, prompts, _, eos = setup
+    eng = Engine(model, tok, eos, backend="padded", max_batch_size=8)
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, n=4, seed=7, logprobs=True)
+    a = eng.generate(prompts[:5], params)
+    b = eng.generate(prompts[:5], params)
+    c = eng.generate(prompts[:5], SamplingParams(**{**params.__dict__, "seed": 8}))
+    assert all(len(x) == 4 for x in a)
+    assert [[s.token_ids for s in x] for x in a] == [[s.token_ids for s in x] for x in b]
+    assert [[s.token_ids for s in x] for x in a] != [[s.token_ids for s in x] for x in c]
+    assert len({tuple(s.token_ids) for s in a[2]}) > 1  # the n samples of a prompt differ
+    # the engine's log-probs are those of the model's logits / temperature at each sampled token
+    for p, s in ((prompts[1], a[1][0]), (prompts[4], a[4][3])):
+        x = torch.tensor([p + s.token_ids])
+        with torch.no_grad():
+            logits = model(x).logits[0, len(p) - 1:-1].float() / 0.8
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)
+
+
+def test_vocabulary_padding_rows_are_never_generated(setup):
+    from transformers import AutoModelForCausalLM
+
+    from train.generation.engine import Engine, SamplingParams
+
+    model, tok, prompts, _, eos = setup
+    n = len(tok)
+    big = AutoModelForCausalLM.from_config(model.config.__class__(**{**model.config.to_dict(), "vocab_size": n + 64}))
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            big.state_dict()[name][: p.shape[0]].copy_(p)
+        big.get_output_embeddings().weight[n:] = big.get_output_embeddings().weight[:64] * 50  # rows that would win
+    eng = Engine(big.eval(), tok, eos, backend="padded", max_batch_size=8)
+    for params in (SamplingParams(max_new_tokens=8), SamplingParams(max_new_tokens=8, temperature=1.0, seed=1)):
+        got = eng.generate(prompts[:8], params)
+        assert all(t < n for c in got for t in c[0].token_ids)
+
+
+def test_speculative_decoding_gives_the_targets_greedy_output(setup):
+    from transformers import AutoModelForCausalLM
+
+    from train.generation.engine import SamplingParams
+    from train.generation.load import Loaded
+    from train.generation.speculative import assisted
+
+    model, tok, prompts, ref, eos = setup
+    torch.manual_seed(1)
+    draft = AutoModelForCausalLM.from_config(model.config.__class__(**{**model.config.to_dict(),
+                                                                       "num_hidden_layers": 1})).eval()
+    with torch.no_grad():  # a draft that agrees often: the target's embeddings and first layer
+        for name, p in draft.state_dict().items():
+            p.copy_(model.state_dict()[name])
+    stats = []
+    for i in (2, 9, 20):
+        c = assisted(Loaded(model, tok, None, eos), Loaded(draft, tok, None, eos), prompts[i],
+                     SamplingParams(max_new_tokens=N_NEW), stats)
+        assert c.token_ids == ref[i]
+    assert all(0.0 < s.acceptance <= 1.0 and s.new_tokens == N_NEW for s in stats), stats
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the vLLM backend needs a CUDA GPU (and the vllm package)")
+def test_vllm_backend_matches_transformers(setup):
+    pytest.importorskip("vllm", reason="the vLLM backend needs the vllm package")
+    from train.generation.engine import Engine, SamplingParams
+
+    model, tok, prompts, ref, eos = setup
+    got = Engine(model.cuda(), tok, eos, backend="vllm").generate(prompts, SamplingParams(max_new_tokens=N_NEW))
+    assert [c[0].token_ids for c in got] == ref
