@@ -130,10 +130,12 @@ def merge_and_compare(out: Path, data: Path, stages: dict[str, Path], apo: Path,
                                        f"{stages['mid']}:0.1", str(final)])
     stages = {**stages, "apo-soup": newest_checkpoint(soup), "final": newest_checkpoint(final)}
     chain = out / "chain-eval"
-    step("train eval: every stage under one config (pretraining validation split; benchmarks incl. SciQ)",
+    step("train eval: every stage under one config (pretraining validation split; benchmarks incl. SciQ; GSM8K "
+         "0-shot chat and IFEval generated and scored as lm-eval scores them, 20 items each)",
          [str(BIN / "train"), "eval", *(f"{k}={v}" for k, v in stages.items()), "--out", str(chain),
           "--config", str(out / "run" / "config.yaml"), "--set", f"data.dataset={data}",
-          "--tasks", "arc_easy,piqa,sciq", *limit])
+          "--tasks", "arc_easy,piqa,sciq,gsm8k_cot_chat,ifeval", "--set", "eval.generation.limit=20",
+          "--set", "eval.generation.max_new_tokens=96", *limit])
     step("train eval --table: the stages compared", [str(BIN / "train"), "eval", "--table", str(chain)])
 
 

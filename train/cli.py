@@ -70,7 +70,8 @@ def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoin
               "row per checkpoint (labels, in the order evaluated, if any), one column per task.")
 @click.option("--tasks", default=None, help="Comma-separated task specs (default: eval.tasks, else the "
               "early-signal set); NAME=FILE.jsonl adds a task of your own.")
-@click.option("--limit", type=int, default=None, help="Items per task, a deterministic subsample (default eval.limit).")
+@click.option("--limit", type=int, default=None, help="Items per task, a deterministic subsample (default eval.limit; "
+              "generative tasks: eval.generation.limit, else eval.limit).")
 @click.option("--validation-tokens", type=int, default=None, help="Held-out tokens per source (0: no validation loss).")
 @click.option("--all", "every", is_flag=True, help="Every checkpoint of RUN_DIR (default: the newest); a "
               "single unlabeled RUN_DIR target only.")
@@ -129,8 +130,8 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
         except (TaskError, cfgmod.ConfigError) as e:
             raise click.UsageError(str(e)) from None
         res = score_hf(hf_folder, loaded) if loaded else {}
-        res |= generate_hf(hf_folder, gen_specs, limit if limit is not None else ecfg.limit, ecfg.generation) \
-            if gen_specs else {}
+        glimit = limit if limit is not None else (ecfg.generation.limit or ecfg.limit)
+        res |= generate_hf(hf_folder, gen_specs, glimit, ecfg.generation) if gen_specs else {}
         path = out or os.path.join(hf_folder, "eval.json")
         with open(path, "w") as f:
             json.dump({"hf_folder": os.path.abspath(hf_folder), "tasks": res}, f, indent=1)
@@ -148,8 +149,8 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
             *overrides]
     if task_list is not None:
         sets.append(f"eval.tasks={json.dumps(task_list)}")
-    if limit is not None:
-        sets.append(f"eval.limit={limit}")
+    if limit is not None:  # every task, generative ones too
+        sets += [f"eval.limit={limit}", f"eval.generation.limit={limit}"]
     if validation_tokens is not None:
         sets.append(f"eval.validation_tokens={validation_tokens}")
     try:
@@ -202,19 +203,43 @@ def estimate(config_path, preset, overrides, gpus, mfu, no_flash):
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sampling.")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling (with --temperature).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
-def generate(model, prompt, system, no_chat, max_new_tokens, temperature, top_p, seed):
+@click.option("--draft", default=None, metavar="CHECKPOINT|HF_FOLDER",
+              help="Speculative decoding: a smaller model with the same vocabulary proposes tokens, MODEL verifies "
+              "them; prints the acceptance rate and the speed-up over plain generation (measured here).")
+def generate(model, prompt, system, no_chat, max_new_tokens, temperature, top_p, seed, draft):
     """Talk to a model: render the chat template around --chat, generate (greedy by default) until the
     template's end-of-turn token or EOS, print the reply. MODEL is a checkpoint (step_… folder, or a run
-    dir / checkpoints folder: its newest) or a Hugging Face folder. The template: the HF folder's (or an
-    imported checkpoint's) tokenizer_config, else the dataset manifest's chat_template, else ChatML."""
-    from train.generation.chat import GenerateError, generate as gen
+    dir / checkpoints folder: its newest) or a Hugging Face folder (a quantized one too). The template: the
+    HF folder's (or an imported checkpoint's) tokenizer_config, else the dataset manifest's chat_template,
+    else ChatML."""
+    import time
 
+    from train.generation.chat import GenerateError, generate as gen, load
+
+    kw = dict(system=system, chat=not no_chat, max_new_tokens=max_new_tokens, temperature=temperature,
+              top_p=top_p, seed=seed)
     try:
-        out = gen(model, prompt, system=system, chat=not no_chat, max_new_tokens=max_new_tokens,
-                  temperature=temperature, top_p=top_p, seed=seed)
+        loaded = load(model)
+        if draft is None:
+            click.echo(gen(model, prompt, loaded=loaded, **kw).text)
+            return
+        from train.generation.speculative import check_pair
+
+        assistant = load(draft)
+        check_pair(loaded, assistant)
+        t0 = time.perf_counter()
+        plain = gen(model, prompt, loaded=loaded, **kw)
+        t_plain = time.perf_counter() - t0
+        stats = []
+        out = gen(model, prompt, loaded=loaded, draft=assistant, stats=stats, **kw)
     except GenerateError as e:
         raise click.ClickException(str(e)) from None
     click.echo(out.text)
+    s = stats[0]
+    same = "identical to" if out.new_ids == plain.new_ids else "differs from"
+    click.echo(f"[speculative] {s.new_tokens} tokens, acceptance {s.acceptance:.1%} ({s.target_calls} target and "
+               f"{s.draft_calls} draft forward passes); {s.seconds:.2f} s vs {t_plain:.2f} s plain: speed-up "
+               f"{t_plain / s.seconds:.2f}x; output {same} plain generation", err=True)
 
 
 @main.command()

@@ -14,6 +14,7 @@ from storage.evaltasks import Task, TaskError, load_task
 
 @dataclass
 class GenerationEvalConfig:
+    limit: int | None = None         # items per generative task (null: eval.limit); generation costs more than scoring
     max_new_tokens: int | None = None  # null: the task's (lm-eval's max_gen_toks: gsm8k 256, ifeval 1280)
     stop: list[str] | None = None    # stop strings; null: the task's (lm-eval's `until`), the tokenizer's EOS added
     chat_template: bool | None = None  # null: the task's default (off for gsm8k_cot, on for gsm8k_cot_chat and ifeval)
@@ -21,6 +22,8 @@ class GenerationEvalConfig:
     backend: Literal["auto", "continuous", "padded", "vllm"] = "auto"  # auto: vllm on a GPU when installed, else transformers
 
     def validate(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"key 'eval.generation.limit': must be >= 1 or null, got {self.limit}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ConfigError(f"key 'eval.generation.max_new_tokens': must be >= 1 or null, got {self.max_new_tokens}")
         if self.batch_size < 1:

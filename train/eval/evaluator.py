@@ -46,7 +46,8 @@ class Generative:
 
             self.tok, template, self.eos = tokenizer_for(tokenizer_path)
             g, m = cfg.eval.generation, cfg.model.resolved()
-            self.tasks = [GenerativeTask(s, cfg.eval.limit, self.tok, max_length=m.max_position_embeddings,
+            limit = g.limit if g.limit is not None else cfg.eval.limit
+            self.tasks = [GenerativeTask(s, limit, self.tok, max_length=m.max_position_embeddings,
                                          chat_template=template, chat=g.chat_template, max_new_tokens=g.max_new_tokens,
                                          stop=g.stop) for s in specs]
 

@@ -50,7 +50,7 @@ def chat_prompt(loaded: Loaded, messages: list[dict]) -> tuple[str, list[int]]:
 
 def generate(path: str, prompt: str, *, system: str | None = None, chat: bool = True, max_new_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, loaded: Loaded | None = None,
-             draft: Loaded | None = None) -> Generation:
+             draft: Loaded | None = None, stats: list | None = None) -> Generation:
     """Reply to `prompt` (a user message; with chat=False the raw text). Greedy when temperature is 0."""
     loaded = loaded or load(path)
     if chat:
@@ -67,7 +67,7 @@ def generate(path: str, prompt: str, *, system: str | None = None, chat: bool = 
     if draft is not None:
         from train.generation.speculative import assisted
 
-        new = assisted(loaded, draft, ids, params).token_ids
+        new = assisted(loaded, draft, ids, params, stats).token_ids
     else:
         new = Engine(loaded.model, tok, stop, backend="padded").generate([ids], params)[0][0].token_ids
     body = new[:-1] if new and new[-1] in stop else new
