@@ -19,6 +19,7 @@ from train.checkpoint.config import CheckpointConfig
 from train.eval.config import EvalConfig
 from train.model.gpt import ModelConfig
 from train.objectives.preference import DPOConfig
+from train.objectives.rl_config import RewardModelConfig, RLConfig
 
 
 @dataclass
@@ -199,10 +200,12 @@ class TrainConfig:
     # pretrain: next-token loss on every token of a token stream; sft: whole documents packed best-fit
     # decreasing, loss on the tokens their mask marks, normalised by the global count of such tokens
     # dpo: preference pairs (global_batch_size and micro_batch_size count pairs), the `dpo` section's loss;
+    # reward: a reward model (scalar head) on preference pairs, Bradley-Terry loss; grpo, rloo, ppo: online RL
+    # on prompts (global_batch_size and micro_batch_size count prompts; the `rl` section);
     # or an objective a module in `imports` registers (train.objectives)
     objective: str = "pretrain"
     imports: list[str] = field(default_factory=list)  # Python modules every process imports first (plugins: objectives)
-    epochs: float | None = None      # objectives over whole conversations or pairs (sft, dpo): passes over the dataset; sets steps (schedules span them)
+    epochs: float | None = None      # objectives over whole rows (sft, dpo, reward, grpo/rloo/ppo): passes over the dataset; sets steps (schedules span them)
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # bf16: bf16 weights/activations, fp32 master + grads; fp8: bf16 + FP8 GEMMs via Transformer Engine (GPU >= sm89)
     init: str | None = None          # start from this checkpoint's weights (fresh optimizer/schedule/data, step 0; model shape from it); resume wins
     init_keep_optimizer: bool = False  # with init (a new stage): also load its optimizer state (AdamW moments, step); schedule, data and step still start fresh
@@ -217,6 +220,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)  # objectives grpo, rloo, ppo
+    reward: RewardModelConfig = field(default_factory=RewardModelConfig)  # objective reward
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def validate(self) -> None:

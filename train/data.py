@@ -83,8 +83,13 @@ def _conversations():
     return ConversationLoader
 
 
+def _prompts():
+    from storage.loader.prompts import PromptLoader
+    return PromptLoader
+
+
 # loaders over a finite set of whole rows (epochs are defined); the token stream is endless
-EPOCH_LOADERS = {"pairs": _pairs, "conversations": _conversations}
+EPOCH_LOADERS = {"pairs": _pairs, "conversations": _conversations, "prompts": _prompts}
 
 
 def rows_in_epochs(data_cfg, kind: str, epochs: float) -> int:

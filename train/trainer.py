@@ -49,6 +49,7 @@ class Trainer:
 
         chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.bf16_weights(), seed=cfg.seed,
                              per_token_loss=objective.per_token_loss, precision=cfg.precision)
+        objective.extend_model(cfg, chunks)  # e.g. a reward or value head
         self.model = parallel.wrap_ddp(cfg, chunks)
         tcfg = chunks[0].config
         # The schedule calls these: DP grad all-reduce (or reduce-scatter), tied-embedding and layernorm
@@ -213,7 +214,7 @@ class Trainer:
         elif cfg.init:  # weights only, and only when there is nothing to resume (resume wins)
             from train.checkpoint.init_from import load_weights
 
-            load_weights(self.model, self.optimizer, cfg.init)
+            load_weights(self.model, self.optimizer, cfg.init, fresh=self.objective.fresh_keys)
             self.sinks.event(st.step, "init", f"weights from {cfg.init} (fresh optimizer, schedule, data)")
         self.objective.prepare(st.step)
         window, last = [], {}

@@ -1,5 +1,6 @@
 """Export a checkpoint (full or incremental, any TP/PP layout) to a Hugging Face Llama folder (a SmolLM3 one
-when the model has NoPE layers, `model.no_rope_every`):
+when the model has NoPE layers, `model.no_rope_every`; a LlamaForSequenceClassification one for a reward
+model, whose checkpoint holds `reward_head.weight`):
 model.safetensors, config.json, generation_config.json, tokenizer.json, and (when the EOS token is known:
 see train.checkpoint.hf_tokenizer) tokenizer_config.json and special_tokens_map.json, loadable by
 `transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained` and lm-eval's HF backend.
@@ -85,7 +86,9 @@ def _pick(t: dict, *names: str) -> torch.Tensor:
 def to_llama(t: dict[str, torch.Tensor], heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
     out = {"model.embed_tokens.weight": t["embedding.word_embeddings.weight"],
            "model.norm.weight": t["decoder.final_layernorm.weight"]}
-    if "output_layer.weight" in t:
+    if "reward_head.weight" in t:  # a reward model: transformers' sequence classification (train.model.heads)
+        out["score.weight"] = t["reward_head.weight"]
+    elif "output_layer.weight" in t:
         out["lm_head.weight"] = t["output_layer.weight"]
     qkv = t["decoder.layers.self_attention.linear_qkv.weight"]
     layers, _, hidden = qkv.shape
@@ -136,6 +139,10 @@ def hf_config(hf: dict[str, torch.Tensor], s: dict, m: dict) -> dict:
         "torch_dtype": str(emb.dtype).removeprefix("torch."),
         "smoltrain_checkpoint": {"name": m["name"], "step": m["step"], "kind": m["kind"]},
     }
+    if "score.weight" in hf:  # a reward model: one score, read at the last token that is not padding
+        config.update({"architectures": ["LlamaForSequenceClassification"], "num_labels": 1,
+                       "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+                       "tie_word_embeddings": bool(s.get("tie_embeddings", True))})
     every = int(s.get("no_rope_every") or 0)
     if every:
         layers = config["num_hidden_layers"]
@@ -210,6 +217,14 @@ def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides:
     elif eos_token is not None:
         raise ValueError("an EOS token was given but there is no tokenizer to export (pass --tokenizer)")
     config.update(special)
+    if "score.weight" in hf and tok:
+        # transformers finds a sequence's last token by pad_token_id: an id no text encodes to (the first
+        # padding row of the embedding), so that a sequence ending with EOS is scored at its EOS, as ours
+        from tokenizers import Tokenizer
+
+        n = Tokenizer.from_str(tok_bytes.decode()).get_vocab_size(with_added_tokens=True)
+        if n < hf["model.embed_tokens.weight"].shape[0]:
+            config["pad_token_id"] = n
     save_file(hf, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)

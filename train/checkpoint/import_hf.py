@@ -51,6 +51,8 @@ def read_config(folder: str) -> dict:
         raise ImportError_(f"{path}: unsupported {field!r}: {why}")
 
     kind = c.get("model_type")
+    if any(a.endswith("ForSequenceClassification") for a in c.get("architectures") or []) and c.get("num_labels", 1) != 1:
+        refuse("num_labels", f"{c['num_labels']} (a reward model has one score)")
     if kind not in ("llama", "smollm3"):
         refuse("model_type", f"{kind!r} (only 'llama' and 'smollm3' are supported)")
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
@@ -159,8 +161,11 @@ def megatron_params(hf: dict, shape: dict, names: list[str]) -> dict:
             return get("model.embed_tokens.weight")
         if name == "decoder.final_layernorm.weight":
             return get("model.norm.weight")
-        if name == "output_layer.weight":
-            return get("lm_head.weight")
+        if name == "output_layer.weight":  # a reward model (score.weight) has no LM head: the slot stays unused
+            return get("lm_head.weight") if "lm_head.weight" in hf or "score.weight" not in hf else \
+                hf["model.embed_tokens.weight"].clone()
+        if name == "reward_head.weight":  # LlamaForSequenceClassification's score (train.model.heads)
+            return get("score.weight")
         parts = name.split(".")
         if parts[:2] != ["decoder", "layers"]:
             raise ImportError_(f"no Hugging Face tensor maps to parameter {name!r}")

@@ -75,6 +75,10 @@ def write_checkpoint(hf: dict, shape: dict, out_root: str, meta: dict, carry: st
             from megatron.core.transformer.module import Float16Module
 
             chunks = [Float16Module(c.config, c).module for c in chunks]
+        if "score.weight" in hf:  # a reward model (LlamaForSequenceClassification)
+            from train.model.heads import attach
+
+            attach(chunks[0], "reward_head", seed=0, replace=True)
         params = dict(chunks[0].named_parameters())
         values = megatron_params(hf, shape, list(params))
         with torch.no_grad():

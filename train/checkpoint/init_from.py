@@ -139,6 +139,16 @@ def _check_optimizer(cfg, ckpt: str, m: dict) -> None:
         raise ConfigError(f"{what} holds no optimizer state; start without --keep-optimizer")
 
 
+def _has_tensor(ckpt: str, m: dict, prefix: str) -> bool:
+    """Whether the checkpoint (its base) stores a tensor whose key starts with `prefix` (True when unknown)."""
+    from train.checkpoint.incremental import RAW_DIR, PieceSet
+
+    base = os.path.join(os.path.dirname(ckpt), m["base"]) if m.get("base") else ckpt
+    if not os.path.isdir(os.path.join(base, RAW_DIR)):
+        return True
+    return any(k.startswith(prefix) for k in PieceSet(base, RAW_DIR).keys())
+
+
 def _has_optimizer(ckpt: str, m: dict) -> bool:
     """Whether the checkpoint (its base, for an incremental one) stores optimizer tensors; True when unknown
     (a torch_dist base: the load itself then says what is missing)."""
@@ -195,10 +205,11 @@ def _retype(sd: dict, dtype) -> None:
             v.data = torch.empty_like(v.data, dtype=dtype)
 
 
-def load_weights(model: list, optimizer, ckpt: str) -> dict:
+def load_weights(model: list, optimizer, ckpt: str, fresh: tuple[str, ...] = ()) -> dict:
     """Load the model weights of checkpoint folder `ckpt` into `model` (chunks, wrapped or not) under this
-    process's TP/PP layout; the optimizer's main parameters (bf16 runs) are refreshed from them. Returns
-    the checkpoint's manifest. Collective: every rank calls it."""
+    process's TP/PP layout; the optimizer's main parameters (bf16 runs) are refreshed from them. Parameters
+    whose names start with a `fresh` prefix (an objective's new heads) keep their initial values when the
+    checkpoint does not have them. Returns the checkpoint's manifest. Collective: every rank calls it."""
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
@@ -211,7 +222,9 @@ def load_weights(model: list, optimizer, ckpt: str) -> dict:
     base = m.get("base") or name
     strategy = DeltaAwareLoadStrategy(os.path.join(root, base), ckpt if m["kind"] == "incremental" else None)
     chunks = unwrap_model(model)
-    sd = {model_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
+    absent = tuple(f for f in fresh if not _has_tensor(ckpt, m, f))
+    sd = {model_key(i, len(chunks)): {k: v for k, v in c.sharded_state_dict().items() if not k.startswith(absent or "\0")}
+          for i, c in enumerate(chunks)}
     dtype = getattr(torch, _DTYPES.get((m.get("meta") or {}).get("precision", "fp32"), "float32"))
     _retype(sd, dtype)
     try:
@@ -219,7 +232,10 @@ def load_weights(model: list, optimizer, ckpt: str) -> dict:
     except Exception as e:
         raise layout.CheckpointError(f"{ckpt}: loading its weights failed: {e}") from e
     for i, c in enumerate(chunks):
-        c.load_state_dict(loaded[model_key(i, len(chunks))], strict=True)
+        missing, unexpected = c.load_state_dict(loaded[model_key(i, len(chunks))], strict=not absent)
+        if unexpected or [k for k in missing if not k.startswith(absent)]:
+            raise layout.CheckpointError(f"{ckpt}: weights do not fit the model (missing {missing}, "
+                                         f"unexpected {unexpected})")
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()
     return m

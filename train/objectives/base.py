@@ -23,12 +23,17 @@ BUILTIN = {
     "pretrain": "train.objectives.lm:Pretrain",
     "sft": "train.objectives.lm:SFT",
     "dpo": "train.objectives.dpo:DPO",
+    "grpo": "train.objectives.rl:GRPO",
+    "rloo": "train.objectives.rl:RLOO",
+    "ppo": "train.objectives.ppo:PPO",
+    "reward": "train.objectives.reward_model:RewardModel",
 }
 _REGISTERED: dict[str, type[Objective]] = {}
 
 # Loaders (train.data): a token stream of pretraining windows [rows, seq_len + 1]; packed whole
-# conversations [rows, 4, seq_len]; preference pairs [2·pairs, 5, seq_len] (chosen, rejected, ...).
-DATA_KINDS = ("tokens", "conversations", "pairs")
+# conversations [rows, 4, seq_len]; preference pairs [2·pairs, 5, seq_len] (chosen, rejected, ...); prompts
+# (a list of storage.loader.prompts.Prompt per step, which the objective turns into rows).
+DATA_KINDS = ("tokens", "conversations", "pairs", "prompts")
 
 
 class Objective:
@@ -41,6 +46,7 @@ class Objective:
     per_token_loss: ClassVar[bool] = True
     document_masking: ClassVar[bool] = False    # the default of data.document_masking
     report_fields: ClassVar[tuple[str, ...]] = ()  # sums after (loss, count, non-padding) in each report
+    fresh_keys: ClassVar[tuple[str, ...]] = ()  # parameters the objective adds (heads): an --init checkpoint may lack them
 
     # ---- config time: no process group, no model
     @classmethod
@@ -50,6 +56,10 @@ class Objective:
     @classmethod
     def check_data(cls, cfg) -> None:
         """Checks that read the dataset or other files, before any process starts."""
+
+    @classmethod
+    def extend_model(cls, cfg, chunks: list) -> None:
+        """Change the freshly built model before it is wrapped (add a head: train.model.heads)."""
 
     # ---- in every training process
     def __init__(self, cfg, par, model: list, sinks):

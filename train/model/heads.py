@@ -1,0 +1,54 @@
+"""Scalar heads on the GPT trunk: a reward model's score (the head replaces the language-model output) and
+PPO's value head (beside it). A head is a bias-free Linear(hidden, 1) on the last pipeline stage, applied
+to the final hidden states (after the last norm, where the output layer reads them); it is a submodule of
+the GPTModel, so DDP, the optimizer and checkpoints (megatron's sharded state dict, replicated over TP)
+carry it like any parameter.
+
+The output layer's `forward` is replaced on the instance, so its weight (tied to the embedding) stays where
+megatron's tied-embedding gradient sync expects it:
+- `replace=True`: the model returns scores [B, S, 1] instead of logits (no vocabulary GEMM);
+- `replace=False`: the model returns logits as before and the values [B, S] of the same forward pass land in
+  `box["values"]` (read by the loss function of that micro-batch).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+class ScalarHead(torch.nn.Module):
+    def __init__(self, hidden: int, seed: int, name: str, std: float = 0.02):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden))
+        g = torch.Generator().manual_seed((seed * 1_000_003 + int(hashlib.sha1(name.encode()).hexdigest()[:12], 16))
+                                          % (2**63))
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(1, hidden, generator=g) * std)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.weight.to(hidden.dtype).t()
+
+
+def attach(chunk, name: str, *, seed: int, replace: bool, box: dict | None = None) -> ScalarHead | None:
+    """Add head `name` to a GPTModel chunk (a no-op off the last pipeline stage); see the module doc."""
+    if not getattr(chunk, "post_process", False):
+        return None
+    hidden = chunk.config.hidden_size
+    head = ScalarHead(hidden, seed, name)
+    if next(chunk.parameters()).is_cuda:
+        head.cuda(next(chunk.parameters()).device)
+    head.to(next(chunk.parameters()).dtype)
+    chunk.add_module(name, head)
+    out = chunk.output_layer
+    original = out.forward
+
+    def forward(hidden_states, weight=None, runtime_gather_output=None):
+        score = head(hidden_states)  # [S, B, 1]
+        if replace:
+            return score, None
+        box["values"] = score[..., 0].transpose(0, 1).float()  # [B, S]
+        return original(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output)
+
+    out.forward = forward
+    return head
