@@ -29,7 +29,8 @@ def fineweb_filters() -> list[FilterSpec]:
 @dataclass
 class ChatConfig:
     """How a `format: chat` source's conversations (or a `format: preference` source's pairs) become tokens
-    and a loss mask (see storage.chat, datapipe.preference)."""
+    and a loss mask (see storage.chat, datapipe.preference); a `format: prompts` source uses `template`,
+    `max_tokens` and `template_vars` (datapipe.prompts)."""
     template: str = "chatml"  # built-in (chatml, smollm3), a tokenizer_config.json or a .jinja file
     train_on: Literal["assistant", "last_assistant", "all"] = "assistant"  # tokens that carry loss
     max_tokens: int = 4096  # longer conversations are rejected (too_long), or cut with truncate
@@ -51,12 +52,13 @@ class SourceConfig:
     name: str
     paths: list[str]
     # chat: JSONL of `messages` or `prompt`/`completion` records, rendered by `chat.template`;
-    # preference: JSONL of `prompt`/`chosen`/`rejected` pairs, both sides rendered by `chat.template`
-    format: Literal["auto", "jsonl", "parquet", "text", "chat", "preference"] = "auto"
+    # preference: JSONL of `prompt`/`chosen`/`rejected` pairs, both sides rendered by `chat.template`;
+    # prompts: JSONL of `prompt` or `messages` (+ optional `answer`) rendered with the generation prompt (RL)
+    format: Literal["auto", "jsonl", "parquet", "text", "chat", "preference", "prompts"] = "auto"
     text_field: str = "text"
     id_field: str | None = "id"
-    filters: list[FilterSpec] | None = None  # None: the build's default_filters ([] for chat, preference)
-    chat: ChatConfig = field(default_factory=ChatConfig)  # used when format is chat or preference
+    filters: list[FilterSpec] | None = None  # None: the build's default_filters ([] for chat, preference, prompts)
+    chat: ChatConfig = field(default_factory=ChatConfig)  # used when format is chat, preference or prompts
 
     @property
     def is_chat(self) -> bool:
@@ -67,14 +69,18 @@ class SourceConfig:
         return self.format == "preference"
 
     @property
+    def is_prompts(self) -> bool:
+        return self.format == "prompts"
+
+    @property
     def is_templated(self) -> bool:
-        """Rendered by the chat template (chat and preference sources)."""
-        return self.format in ("chat", "preference")
+        """Rendered by the chat template (chat, preference and prompts sources)."""
+        return self.format in ("chat", "preference", "prompts")
 
     @property
     def kind(self) -> str:
         """The manifest's `SourceInfo.kind` of this source."""
-        return {"chat": "chat", "preference": "preference"}.get(self.format, "text")
+        return {"chat": "chat", "preference": "preference", "prompts": "prompts"}.get(self.format, "text")
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name.startswith((".", "_")) or self.name in RESERVED_NAMES:
@@ -82,6 +88,9 @@ class SourceConfig:
                               f"(not {', '.join(RESERVED_NAMES)})")
         if not self.paths:
             raise ConfigError(f"source {self.name!r}: paths must list at least one path or glob")
+        if self.is_prompts and self.chat.truncate:
+            raise ConfigError(f"source {self.name!r}: key 'chat.truncate': prompts are never truncated (a cut prompt "
+                              "loses its question and generation prompt); longer ones are rejected as too_long")
 
 
 @dataclass
@@ -313,7 +322,7 @@ class BuildConfig:
 
     @property
     def chat_template(self) -> str | None:
-        """The template spec of the chat and preference sources (one per dataset), or None without any."""
+        """The template spec of the chat, preference and prompts sources (one per dataset), or None without any."""
         return next((s.chat.template for s in self.sources if s.is_templated), None)
 
 

@@ -142,3 +142,21 @@ def preference_pairs(task: str = "sciq", limit: int | None = None) -> list[dict]
                     "chosen": it.requests[it.label].continuation.strip(),
                     "rejected": it.requests[bad].continuation.strip()})
     return out
+
+
+def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 20, ops: str = "+-") -> list[dict]:
+    """`n` distinct arithmetic questions with verifiable answers, as `format: prompts` records
+    `{"id", "prompt", "answer"}` ("What is 7 + 12?" → "19"): operands 0..`max_operand`, operators from `ops`
+    (`+`, `-`, `*`), drawn without repetition, the same for a seed. A task a tiny model can learn by RL on a
+    CPU, and the data of the prompts tests."""
+    import random
+
+    space = (max_operand + 1) ** 2 * len(ops)
+    if not 0 <= n <= space or set(ops) - set("+-*"):
+        raise ValueError(f"{n} distinct questions from {space} ({max_operand=}, {ops=}; operators are + - *)")
+    out = []
+    for k in random.Random(seed).sample(range(space), n):
+        op, (a, b) = ops[k % len(ops)], divmod(k // len(ops), max_operand + 1)
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        out.append({"id": f"arith-{k}", "prompt": f"What is {a} {op} {b}?", "answer": str(value)})
+    return out

@@ -33,7 +33,7 @@ def normalize_text(text: str, cfg: NormalizeConfig) -> str:
 
 class Normalize(PipelineStep):
     """Normalises `doc.text` in place; a document left empty is dropped (counted, written to rejects).
-    Rendered conversations (with `loss_spans`) pass unchanged."""
+    Rendered conversations (with `loss_spans`) and prompts pass unchanged."""
 
     name = "🔤 normalize"
     type = "✂️ - FORMAT"
@@ -47,8 +47,10 @@ class Normalize(PipelineStep):
         with self.exclusion_writer or contextlib.nullcontext() as rej:
             for doc in data:
                 self.stat_update("total")
-                if "loss_spans" in doc.metadata:  # a rendered conversation: its contents were normalised
-                    self.stat_update("forwarded")  # before rendering, and its spans index this exact text
+                if "loss_spans" in doc.metadata or doc.metadata.get("kind") == "prompts":
+                    # a rendered conversation or prompt: its contents were normalised before rendering,
+                    # and its spans (or generation prompt) must stay this exact text
+                    self.stat_update("forwarded")
                     yield doc
                     continue
                 doc.text = normalize_text(doc.text, self.cfg)

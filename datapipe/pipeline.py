@@ -18,6 +18,8 @@ Chat sources are rendered by their template when read (see `datapipe.sources`), 
 that sees plain text; the tokenize stage adds their loss masks, and the manifest records the template.
 A preference pair is one document (both sides' text) until the tokenize stage splits it into its two
 sides, so dedup, decontamination and the validation split act on whole pairs (`datapipe.preference`).
+An RL prompt is rendered up to the generation prompt when read and stored without EOS or mask, its answer
+in the block metadata (`datapipe.prompts`).
 Task ranks are positions in the global, priority-ordered list of input pieces, so outputs are identical
 for any worker count. Each stage logs completions under `WORK/logs/<stage>`; a rerun skips finished tasks
 (datatrove's `skip_completed`) and redoes the rest, giving the same bytes as an uninterrupted build.
@@ -199,7 +201,8 @@ class Build:
     def shard_out(self) -> ShardOut:
         cfg = self.cfg
         return ShardOut(self.out, self.work, os.path.join(self.out, "tokenizer.json"), cfg.shards.block_tokens, cfg.shards.shard_blocks,
-                        cfg.validation, {s.name: "preference" if s.is_preference else None for s in cfg.sources})
+                        cfg.validation, {s.name: s.kind if s.is_preference or s.is_prompts else None
+                                         for s in cfg.sources})
 
     def final_stages(self) -> list[Stage]:
         names = [s.name for s in self.cfg.sources]
@@ -274,8 +277,10 @@ class Build:
             add(st, "decontaminated", self._decont_counts(r).get("decontaminated", 0))
             if self.srcmap[f.source].is_templated:
                 counts = read_json(task_info_path(self.work, r)).get("counts", {})
-                extra = ("dropped_prompt_too_long",) if self.srcmap[f.source].is_preference else ()
-                for k in ("dropped_too_long", "truncated", "loss_tokens", *extra):
+                keys = {"preference": ("dropped_too_long", "truncated", "loss_tokens", "dropped_prompt_too_long"),
+                        "prompts": ("dropped_too_long", "with_answer")}.get(
+                    self.srcmap[f.source].kind, ("dropped_too_long", "truncated", "loss_tokens"))
+                for k in keys:
                     add(st, k, counts.get(k, 0))
         return out
 

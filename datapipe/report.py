@@ -28,6 +28,14 @@ def summary_lines(m: Manifest, elapsed: dict[str, float] | None = None) -> list[
     drops = {k: v for k, v in m.build_stats.items() if k.startswith("dropped_") and ":" not in k and v}
     if drops:
         lines.append("dropped per filter: " + ", ".join(f"{k[8:]}={v:,}" for k, v in drops.items()))
+    for name, s in m.sources.items():
+        if s.kind == "prompts":
+            st = s.stats
+            rej = {k.split(":", 1)[1]: v for k, v in st.items() if k.startswith("dropped_read:") and v}
+            rej["too_long"] = st.get("dropped_too_long", 0)
+            lines.append(f"prompts {name}: {st.get('documents', 0):,} training + {st.get('validation_documents', 0):,} "
+                         f"held out, {st.get('with_answer', 0):,} with an answer; rejected: "
+                         + ", ".join(f"{k}={v:,}" for k, v in rej.items()))
     by_task = m.build_stats.get("decontaminated_by_task") or {}
     if by_task:
         lines.append("decontaminated per task: " + ", ".join(f"{k}={v:,}" for k, v in by_task.items()))

@@ -70,7 +70,7 @@ class ShardOut:
     block_tokens: int
     shard_blocks: int
     validation: ValidationConfig
-    kinds: dict[str, str | None]  # source → SourceWriter kind ("preference" or None: from the masks)
+    kinds: dict[str, str | None]  # source → SourceWriter kind ("preference", "prompts" or None: from the masks)
 
 
 def dtype_of(tokenizer_path: str) -> str:
@@ -97,18 +97,20 @@ class TaskShards:
         _remove_task_shards(out.dataset, "", source, rank)
         self.train = SourceWriter(out.dataset, source, dtype, block_tokens=out.block_tokens,
                                   shard_blocks=out.shard_blocks, kind=out.kinds.get(source), task=rank)
-        self.groups: list[list] = []  # candidates: [key, [[doc_id, tokens], ...]]
+        self.groups: list[list] = []  # candidates: [key, [[doc_id, tokens], ...]] (+ [meta, ...] with metadata)
         self.tokens: list[np.ndarray] = []
         self.masks: list[np.ndarray] = []
 
-    def add_group(self, key: str, group: list[tuple[str, np.ndarray, np.ndarray | None]]) -> None:
+    def add_group(self, key: str, group: list[tuple[str, np.ndarray, np.ndarray | None]],
+                  meta: list[dict] | None = None) -> None:
+        """`meta`: one block-metadata object per document of the group (prompts), or None."""
         val = self.out.validation
         if val.enabled and holdout_score(self.source, key) < val.fraction:
-            self.groups.append([key, [[doc_id, len(t)] for doc_id, t, _ in group]])
+            self.groups.append([key, [[doc_id, len(t)] for doc_id, t, _ in group], *([meta] if meta is not None else [])])
             self.tokens += [np.asarray(t) for _, t, _ in group]
             self.masks += [np.asarray(m, np.uint8) for _, _, m in group if m is not None]
         else:
-            self.train.add_group(group)
+            self.train.add_group(group, meta)
 
     def close(self, counts: dict[str, int]) -> None:
         info = self.train.close()
@@ -127,7 +129,7 @@ class TaskShards:
 
 
 def _candidates(work: str, rank: int):
-    """(key, [(doc_id, tokens, mask or None), ...]) of one task's validation candidates."""
+    """(key, [(doc_id, tokens, mask or None), ...], [meta, ...] or None) of one task's validation candidates."""
     base = os.path.join(work, "valcands", f"{rank:05d}")
     meta = read_json(base + ".json")
     if not meta["groups"]:
@@ -135,12 +137,12 @@ def _candidates(work: str, rank: int):
     tokens = np.load(base + ".tokens.npy", allow_pickle=False)
     masks = np.load(base + ".mask.npy", allow_pickle=False) if meta["masked"] else None
     off = 0
-    for key, docs in meta["groups"]:
+    for key, docs, *doc_meta in meta["groups"]:
         group = []
         for doc_id, n in docs:
             group.append((doc_id, tokens[off:off + n], None if masks is None else masks[off:off + n]))
             off += n
-        yield key, group
+        yield key, group, (doc_meta[0] if doc_meta else None)
 
 
 class WriteValidation(PipelineStep):
@@ -160,7 +162,7 @@ class WriteValidation(PipelineStep):
             shutil.rmtree(val_dir)
         _remove_task_shards(out.dataset, "", name, self.n_tasks)
         ranks = self.ranks_of[name]
-        keys = [(key, sum(len(t) for _, t, _ in g)) for r in ranks for key, g in _candidates(out.work, r)]
+        keys = [(key, sum(len(t) for _, t, _ in g)) for r in ranks for key, g, _ in _candidates(out.work, r)]
         held = select_validation(name, keys, out.validation)
         kw = dict(block_tokens=out.block_tokens, shard_blocks=out.shard_blocks, kind=out.kinds.get(name))
         dtype = dtype_of(out.tokenizer_path)
@@ -169,8 +171,8 @@ class WriteValidation(PipelineStep):
         try:
             pos = 0
             for r in ranks:
-                for _, group in _candidates(out.work, r):
-                    (val if pos in held else overflow).add_group(group)
+                for _, group, meta in _candidates(out.work, r):
+                    (val if pos in held else overflow).add_group(group, meta)
                     pos += 1
         except BaseException:
             val.abort()

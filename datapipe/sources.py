@@ -10,7 +10,8 @@ contents normalised, and it is rendered by the source's chat template when read;
 the rendered conversation (so dedup runs on it unchanged) and `metadata["loss_spans"]` holds the
 character spans that carry loss. A bad conversation is rejected with its reason code, counted as
 `dropped_read` and `dropped_read:<reason>`. A `format: preference` source is JSONL of preference pairs,
-read into one document per pair (`datapipe.preference`).
+read into one document per pair (`datapipe.preference`); a `format: prompts` source is JSONL of RL prompts,
+each rendered up to the generation prompt (`datapipe.prompts`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from storage.chat import ConversationError, render, validate_conversation
 from datapipe.config import NormalizeConfig, SourceConfig
 from datapipe.normalize import normalize_text
 from datapipe.preference import read_pair
+from datapipe.prompts import read_prompt
 
 
 class InputError(RuntimeError):
@@ -42,7 +44,7 @@ class InputFile:
     belonging to the piece its line starts in; Parquet: row groups [start, end), `first_row` rows before)."""
     source: str
     url: str
-    fmt: str  # jsonl | parquet | text | chat | preference
+    fmt: str  # jsonl | parquet | text | chat | preference | prompts
     start: int = 0
     end: int | None = None  # None: to the end of the file
     first_row: int = 0
@@ -234,6 +236,8 @@ class SourceReader(PipelineStep):
                     yield (lineno, *self._from_chat(rec, src, fallback_id))
                 elif f.fmt == "preference":
                     yield (lineno, *self._from_preference(rec, src, fallback_id))
+                elif f.fmt == "prompts":
+                    yield (lineno, *self._from_prompt(rec, src, fallback_id))
                 else:
                     yield (lineno, *self._from_record(rec, src, fallback_id))
 
@@ -267,6 +271,18 @@ class SourceReader(PipelineStep):
         assert self.chat_template is not None, "preference sources need the build's chat template"
         try:
             text, meta = read_pair(rec, self.chat_template, src.chat, self.normalize)
+        except ConversationError as e:
+            return json.dumps(rec, ensure_ascii=False)[:10_000], doc_id, e
+        return text, doc_id, None, meta
+
+    def _from_prompt(self, rec, src: SourceConfig, fallback_id: str) -> tuple:
+        """(rendered prompt, id, None, metadata) or (record, id, ConversationError)."""
+        doc_id = fallback_id
+        if isinstance(rec, dict) and src.id_field and rec.get(src.id_field) is not None:
+            doc_id = f"{src.name}/{rec[src.id_field]}"
+        assert self.chat_template is not None, "prompts sources need the build's chat template"
+        try:
+            text, meta = read_prompt(rec, self.chat_template, src.chat, self.normalize, src.id_field)
         except ConversationError as e:
             return json.dumps(rec, ensure_ascii=False)[:10_000], doc_id, e
         return text, doc_id, None, meta
@@ -325,11 +341,12 @@ def check_fields(files: list[InputFile], sources: dict[str, SourceConfig], probe
     (a wrong field name would otherwise reject every document one by one)."""
     checked: set[str] = set()
     for f in files:
-        if f.source in checked or f.fmt not in ("jsonl", "chat", "preference"):
+        if f.source in checked or f.fmt not in ("jsonl", "chat", "preference", "prompts"):
             continue
         checked.add(f.source)
         src = sources[f.source]
-        want = {"chat": ("messages", "prompt"), "preference": ("chosen",)}.get(f.fmt, (src.text_field,))
+        want = {"chat": ("messages", "prompt"), "preference": ("chosen",), "prompts": ("prompt", "messages")}.get(
+            f.fmt, (src.text_field,))
         seen_fields: set[str] = set()
         n = 0
         with _open_binary(f.url) as fh:
@@ -346,7 +363,7 @@ def check_fields(files: list[InputFile], sources: dict[str, SourceConfig], probe
                 if n >= probe:
                     break
         if n and not seen_fields & set(want):
-            what = {"chat": "fields 'messages' or 'prompt'", "preference": "field 'chosen'"}.get(
-                f.fmt, f"text field {src.text_field!r}")
+            what = {"chat": "fields 'messages' or 'prompt'", "preference": "field 'chosen'",
+                    "prompts": "fields 'prompt' or 'messages'"}.get(f.fmt, f"text field {src.text_field!r}")
             raise KeyError(f"source {f.source!r}: {what} not found in the first {n} records "
                            f"of {f.url} (fields there: {', '.join(sorted(seen_fields))})")

@@ -11,6 +11,9 @@ cut and counted (`truncated`). Per-task counts go in the task's `tasks/RANK.json
 A preference pair (documents with `metadata["pair"]`) becomes two documents, `ID#chosen` then
 `ID#rejected` (`datapipe.preference.encode_pairs`; rejects `prompt_too_long` and `too_long`); the
 shard writer keeps the two in one block, and the validation split hashes the pair id.
+
+An RL prompt (documents with `metadata["kind"] == "prompts"`) is encoded without EOS or mask and written
+with its answer as block metadata (`datapipe.prompts.encode_prompts`; reject `too_long`, never truncated).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from datatrove.pipeline.base import PipelineStep
 from storage.chat import token_mask
 from datapipe.config import ChatConfig
 from datapipe.preference import encode_pairs, pair_id
+from datapipe.prompts import KIND as PROMPTS, encode_prompts
 from datapipe.shardout import ShardOut, TaskShards
 from storage.manifest import TokenizerInfo
 from storage.shards import dtype_for_vocab
@@ -141,7 +145,16 @@ class TokenizeStep(PipelineStep):
 
         def flush():
             chats = [d for d in batch if "loss_spans" in d.metadata]
-            if chats and "pair" in chats[0].metadata:  # all of a task's documents come from one source
+            if batch[0].metadata.get("kind") == PROMPTS:  # all of a task's documents come from one source
+                for doc, ids, why in encode_prompts(tok, batch, self.chat):
+                    if why:
+                        reject(doc, "too_long", why)
+                        continue
+                    meta = doc.metadata["prompt"]
+                    if "answer" in meta:
+                        count("with_answer")
+                    sink.add_group(doc.id, [(doc.id, np.asarray(ids, dtype=dtype), None)], [meta])
+            elif chats and "pair" in chats[0].metadata:
                 for doc, res, cut in encode_pairs(tok, chats, self.chat):
                     if not isinstance(res, list):
                         reject(doc, res.reason, str(res))

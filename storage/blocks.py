@@ -59,6 +59,7 @@ class Block:
     offsets: list[int]
     source: str
     mask: np.ndarray | None = None  # uint8 0/1 loss mask, one per token (format 2 blocks), else None
+    doc_meta: list[dict] | None = None  # per-document JSON objects (the JSON's optional `doc_meta`), else None
 
 
 def encode_tokens(tokens: np.ndarray, dtype: np.dtype, compression_level: int = 0) -> bytes:
@@ -111,6 +112,11 @@ def _parse_meta(shard: str, key: str, meta_bytes) -> tuple[dict, np.dtype, int, 
         raise ShardError(shard, f"bad block metadata: {e}", f"{key}.{META_EXT}") from None
     if len(offsets) != len(doc_ids) + 1 or (offsets and (offsets[0] != 0 or offsets[-1] != n)):
         raise ShardError(shard, "document offsets do not match the token count", f"{key}.{META_EXT}")
+    doc_meta = meta.get("doc_meta")
+    if doc_meta is not None and (not isinstance(doc_meta, list) or len(doc_meta) != len(doc_ids)
+                                 or not all(isinstance(d, dict) for d in doc_meta)):
+        raise ShardError(shard, f"bad block metadata: doc_meta must be a list of {len(doc_ids)} objects, one per "
+                         "document", f"{key}.{META_EXT}")
     return meta, dtype, n, digest
 
 
@@ -151,7 +157,7 @@ def decode_block(shard: str, key: str, payload: bytes | memoryview, meta_bytes: 
     elif mask_payload is not None:
         raise ShardError(shard, "sample has a mask member its metadata does not name (no mask_xxh3_64)",
                          f"{key}.{MASK_EXT}", mask_offset)
-    return Block(key, tokens, meta["doc_ids"], meta["offsets"], meta.get("source", ""), mask)
+    return Block(key, tokens, meta["doc_ids"], meta["offsets"], meta.get("source", ""), mask, meta.get("doc_meta"))
 
 
 _MASK_HEAD = re.compile(rb'"n_tokens":(\d+),"xxh3_64":"[0-9a-f]{16}","mask_xxh3_64":"([0-9a-f]{16})"')

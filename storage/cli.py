@@ -56,6 +56,11 @@ def inspect(dataset: str, as_json: bool) -> None:
     pref = [n for n, s in m.sources.items() if s.kind == "preference"]
     if pref:
         click.echo(f"preference sources (pairs: #chosen, #rejected documents): {', '.join(pref)}")
+    for name, s in m.sources.items():
+        if s.kind == "prompts":
+            held = m.validation[name].documents if name in m.validation else 0
+            click.echo(f"prompts source {name} (RL prompts up to the generation prompt): {s.documents:,} training "
+                       f"+ {held:,} held out, {s.stats.get('with_answer', 0):,} of all with an answer")
     for ph in m.mix:
         w = ", ".join(f"{k}={v:g}" for k, v in ph.weights.items())
         click.echo(f"phase {ph.name}: {ph.tokens:,} tokens; weights {w}")
@@ -65,7 +70,7 @@ def inspect(dataset: str, as_json: bool) -> None:
 @click.argument("dataset")
 def verify(dataset: str) -> None:
     """Check every shard of DATASET (training and held-out validation): sha256, tar safety, LZ4 frames,
-    metadata, loss masks (format 2), index and counts.
+    metadata, loss masks (format 2), prompt metadata, index and counts.
 
     Exits non-zero at the first corrupt shard, naming it and the member."""
     m = Dataset.open(dataset).manifest
@@ -85,6 +90,9 @@ def verify(dataset: str) -> None:
                         raise ShardError(url, f"block says source {b.source!r}, manifest says {name!r}", b.key)
                     if (b.mask is not None) != (src.kind in MASKED_KINDS):
                         raise ShardError(url, f"block {'has' if b.mask is not None else 'lacks'} a loss mask, but "
+                                         f"the manifest says source {name!r} is of kind {src.kind!r}", b.key)
+                    if (b.doc_meta is not None) != (src.kind == "prompts"):
+                        raise ShardError(url, f"block {'has' if b.doc_meta is not None else 'lacks'} doc_meta, but "
                                          f"the manifest says source {name!r} is of kind {src.kind!r}", b.key)
                 if (blocks, docs, toks) != (sh.blocks, sh.documents, sh.tokens):
                     raise ShardError(url, f"counts (blocks, documents, tokens) = {(blocks, docs, toks)}, manifest "

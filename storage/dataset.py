@@ -31,7 +31,9 @@ class SourceWriter:
     Documents given with a loss mask (conversations) make format 2 blocks and a source of kind "chat"
     (or `kind`, e.g. "preference"); a source's documents all have masks or none do. `add_group` adds
     documents that must share a block (a preference pair's two sides). `close()` returns the source's
-    manifest entry. With `task`, shard names carry the build task that wrote them (`shard_relpath`)."""
+    manifest entry. With `task`, shard names carry the build task that wrote them (`shard_relpath`).
+    `meta` gives each document of a group a JSON object (a prompt's answer), written as the block JSON's
+    `doc_meta`; like masks, a source's documents all have one or none do."""
 
     def __init__(self, dataset: str, source: str, dtype: str, block_tokens: int = 262_144,
                  shard_blocks: int = 64, first_shard: int = 0, prefix: str = "", kind: str | None = None,
@@ -47,17 +49,27 @@ class SourceWriter:
         self._docs: list[np.ndarray] = []
         self._masks: list[np.ndarray] = []
         self._ids: list[str] = []
+        self._meta: list[dict] = []
         self._pending = 0
         self._masked: bool | None = None  # set by the first document
+        self._with_meta: bool | None = None  # set by the first group
         self._kind = kind
         self._task = task
 
-    def add_document(self, doc_id: str, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
-        self.add_group([(doc_id, tokens, mask)])
+    def add_document(self, doc_id: str, tokens: np.ndarray, mask: np.ndarray | None = None,
+                     meta: dict | None = None) -> None:
+        self.add_group([(doc_id, tokens, mask)], None if meta is None else [meta])
 
-    def add_group(self, docs) -> None:
+    def add_group(self, docs, meta: list[dict] | None = None) -> None:
         """Add `docs`, a sequence of (doc_id, tokens, mask or None), to one block: the block being filled
-        when they all fit in it, else a new one (a group longer than a block gets a block of its own)."""
+        when they all fit in it, else a new one (a group longer than a block gets a block of its own).
+        `meta`: one JSON object per document, or None."""
+        if self._with_meta is None:
+            self._with_meta = meta is not None
+        elif self._with_meta != (meta is not None):
+            raise ValueError(f"documents {docs[0][0]!r}...: a source's documents must all have metadata or none")
+        if meta is not None and len(meta) != len(docs):
+            raise ValueError(f"documents {docs[0][0]!r}...: {len(meta)} metadata objects for {len(docs)} documents")
         for doc_id, tokens, mask in docs:
             if len(tokens) == 0:
                 raise ValueError(f"document {doc_id!r} has no tokens (EOS must be appended)")
@@ -76,6 +88,8 @@ class SourceWriter:
                 self._masks.append(np.asarray(mask, dtype=np.uint8))
             self._docs.append(np.asarray(tokens))
             self._ids.append(str(doc_id))
+        if meta is not None:
+            self._meta.extend(meta)
         self._pending += n
         if self._pending >= self.block_tokens:
             self._flush_block()
@@ -89,8 +103,9 @@ class SourceWriter:
             self._next_shard += 1
         offsets = np.concatenate([[0], np.cumsum([len(d) for d in self._docs])]).tolist()
         mask = np.concatenate(self._masks) if self._masked else None
-        self._writer.add_block(np.concatenate(self._docs).astype(self.dtype, copy=False), self._ids, offsets, mask)
-        self._docs, self._masks, self._ids, self._pending = [], [], [], 0
+        self._writer.add_block(np.concatenate(self._docs).astype(self.dtype, copy=False), self._ids, offsets, mask,
+                               self._meta if self._with_meta else None)
+        self._docs, self._masks, self._ids, self._meta, self._pending = [], [], [], [], 0
         if len(self._writer.entries) >= self.shard_blocks:
             self._close_shard()
 

@@ -14,7 +14,7 @@ from storage.config import ConfigError
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 2  # newest: 2 when any source holds conversations (blocks with loss masks); 1 otherwise
 SUPPORTED_VERSIONS = (1, 2)
-SOURCE_KINDS = ("text", "chat", "preference")
+SOURCE_KINDS = ("text", "chat", "preference", "prompts")
 MASKED_KINDS = ("chat", "preference")  # sources whose blocks carry loss masks (format 2)
 
 
@@ -45,7 +45,8 @@ class SourceInfo:
     tokens: int = 0
     stats: dict[str, int] = field(default_factory=dict)  # read, dropped per filter, duplicates, ...
     # text: pretraining documents ending in EOS; chat: conversations with loss masks; preference: pairs of
-    # documents `ID#chosen`, `ID#rejected` (masks on the completion), both sides in one block
+    # documents `ID#chosen`, `ID#rejected` (masks on the completion), both sides in one block; prompts: RL
+    # prompts rendered up to the generation prompt (no EOS, no mask), answers in the blocks' `doc_meta`
     kind: str = "text"
 
 

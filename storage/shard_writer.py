@@ -68,11 +68,15 @@ class ShardWriter:
         self._closed = False
 
     def add_block(self, tokens: np.ndarray, doc_ids: list[str], offsets: list[int],
-                  mask: np.ndarray | None = None) -> str:
-        """Append one block; with `mask` (0/1 per token) it is a format 2 block with a `KEY.mask.lz4` member."""
+                  mask: np.ndarray | None = None, doc_meta: list[dict] | None = None) -> str:
+        """Append one block; with `mask` (0/1 per token) it is a format 2 block with a `KEY.mask.lz4` member.
+        `doc_meta` (one JSON object per document, e.g. a prompt's answer) goes into the JSON member as
+        `doc_meta`, after `offsets`; readers that do not know it ignore it."""
         n = int(len(tokens))
         if len(offsets) != len(doc_ids) + 1 or offsets[0] != 0 or offsets[-1] != n:
             raise ValueError(f"offsets must have len(doc_ids)+1 entries from 0 to {n}")
+        if doc_meta is not None and (len(doc_meta) != len(doc_ids) or not all(isinstance(d, dict) for d in doc_meta)):
+            raise ValueError(f"doc_meta must hold one dict per document ({len(doc_ids)})")
         mask_payload = None
         head = {"format": 1, "source": self.source, "dtype": self.dtype.name, "n_tokens": n}
         payload = encode_tokens(tokens, self.dtype, self.compression_level)
@@ -87,8 +91,10 @@ class ShardWriter:
             head["format"] = 2
             head["mask_xxh3_64"] = xxhash.xxh3_64_hexdigest(mask_payload)
         key = f"{self.stem}_{len(self.entries):06d}"
-        meta = json.dumps({**head, "doc_ids": [str(d) for d in doc_ids],
-                           "offsets": [int(o) for o in offsets]}, separators=(",", ":")).encode()
+        body = {**head, "doc_ids": [str(d) for d in doc_ids], "offsets": [int(o) for o in offsets]}
+        if doc_meta is not None:
+            body["doc_meta"] = doc_meta
+        meta = json.dumps(body, separators=(",", ":")).encode()
         t_off = self._hw.tell()
         self._tar.addfile(_tarinfo(f"{key}.{TOKENS_EXT}", len(payload)), io.BytesIO(payload))
         m_off = self._hw.tell()

@@ -33,6 +33,7 @@ _COLS = 4096  # shingles per block of the permutation product (bounded scratch b
 _MEMO_MAX = 1_000_000  # whitespace chunks remembered by words_of
 _WORDS: dict[str, str] = {}  # chunk → its words joined by spaces (the chunk itself when it is one word)
 _SPLIT: set[str] = set()  # the chunks of _WORDS our tokenizer splits
+_NO_SHINGLES = np.zeros((0, 1), dtype=np.uint64)
 
 
 def minhash_config(s: MinhashSettings) -> MinhashConfig:
@@ -178,7 +179,9 @@ class FastMinhashSignature(MinhashDedupSignature):
 
             for doc_idx, doc in enumerate(data):
                 self.stat_update(StatHints.total)
-                shingles = self.get_shingles(doc.text)
+                # RL prompts are exempt (as a document without shingles is): short templated questions that
+                # differ in their numbers, which simplify() maps to 0, would all be one cluster
+                shingles = _NO_SHINGLES if doc.metadata.get("kind") == "prompts" else self.get_shingles(doc.text)
                 if sketches:
                     batch.append(shingles)
                 if shingles.size:

@@ -1,5 +1,7 @@
 """`BackgroundBatches`: the producer thread, two-slot queue and position state shared by the document
-loaders (`ConversationLoader`, `PairLoader`).
+loaders (`ConversationLoader`, `PairLoader`, `PromptLoader`); `EpochShuffle` and `BlockCache`: the per-epoch
+permutation of whole units and the decoded-block cache of the loaders that hand out units one by one
+(`PairLoader`, `PromptLoader`).
 
 A subclass sets KIND (its state's name), WHAT (its order, for errors) and THREAD, and implements
 `build(first, count)`: this rank's `count` units (rows or pairs) starting at global unit `first`. Global
@@ -10,10 +12,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from storage.loader.buffers import Failure, TwoSlotQueue
+from storage.loader.order import _rng
 
 STATE_VERSION = 1
 
@@ -100,3 +107,61 @@ class BackgroundBatches:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class EpochShuffle:
+    """Units 0..n-1 (pairs, prompts) permuted afresh each epoch, seeded by (seed, salt, epoch); global unit g
+    is unit `ordinals(g, 1)[0]` of the epochs laid end to end. The last two permutations stay cached."""
+
+    def __init__(self, n: int, seed: int, salt: int):
+        self.n, self.seed, self.salt = n, seed, salt
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        with self._lock:
+            p = self._perms.get(epoch)
+            if p is None:
+                p = self._perms[epoch] = _rng(self.seed, self.salt, epoch).permutation(self.n)
+                while len(self._perms) > 2:
+                    self._perms.popitem(last=False)
+            self._perms.move_to_end(epoch)
+            return p
+
+    def ordinals(self, g0: int, count: int) -> np.ndarray:
+        """Units of global positions [g0, g0 + count)."""
+        g = np.arange(g0, g0 + count, dtype=np.int64)
+        out = np.empty(count, dtype=np.int64)
+        for e in np.unique(g // self.n).tolist():
+            sel = g // self.n == e
+            out[sel] = self.permutation(e)[g[sel] % self.n]
+        return out
+
+    def in_epochs(self, epochs: float) -> int:
+        """Units in the first `epochs` epochs (a fraction counts that share of an epoch's units)."""
+        whole = int(epochs)
+        return whole * self.n + int((epochs - whole) * self.n)
+
+
+class BlockCache:
+    """Decoded blocks by index, the least recently used dropped once they hold more than `max_bytes`
+    (the last one read always stays)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, b: int, load: Callable[[], tuple[Any, int]]) -> Any:
+        """Block `b`, from the cache or `load()` (which returns the block and its size in bytes)."""
+        hit = self._items.get(b)
+        if hit is not None:
+            self._items.move_to_end(b)
+            return hit[0]
+        value, size = load()
+        self._items[b] = (value, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes and len(self._items) > 1:
+            _, (_, n) = self._items.popitem(last=False)
+            self._bytes -= n
+        return value

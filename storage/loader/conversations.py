@@ -102,13 +102,13 @@ def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
 
 
 class DocTable:
-    """Every document of every source but preference pairs (the training shards, not the held-out split):
-    its block and its token span there, read from the blocks' JSON members only."""
+    """Every document of every source but preference pairs and RL prompts (the training shards, not the
+    held-out split): its block and its token span there, read from the blocks' JSON members only."""
 
     def __init__(self, ds: Dataset, threads: int):
         self.blocks: list[tuple[object, int, str]] = []  # (ShardReader, k, source)
         for name, readers in ds.readers.items():
-            if ds.manifest.sources[name].kind == "preference":  # PairLoader's (storage/loader/pairs.py)
+            if ds.manifest.sources[name].kind in ("preference", "prompts"):  # PairLoader's, PromptLoader's
                 continue
             for r in readers:
                 self.blocks.extend((r, k, name) for k in range(len(r.index)))

@@ -20,8 +20,6 @@ than seq_len is an error at start (build with `chat.max_tokens` <= seq_len).
 """
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,10 +29,9 @@ import torch
 
 from storage import fs
 from storage.dataset import Dataset, iter_documents
-from storage.loader.background import BackgroundBatches
+from storage.loader.background import BackgroundBatches, BlockCache, EpochShuffle
 from storage.loader.config import LoaderConfig
 from storage.loader.loader import dataset_fingerprint
-from storage.loader.order import _rng
 from storage.manifest import read_manifest
 from storage.shards import TAR_BLOCK, ShardError
 
@@ -121,10 +118,8 @@ class PairLoader(BackgroundBatches):
                              f"seq_len is {self.S:,} ({len(too_long) - 1} more pairs too long); rebuild with "
                              f"chat.max_tokens <= seq_len or raise seq_len")
         self.fingerprint = {"dataset": dataset_fingerprint(self.ds.manifest), "seed": cfg.seed, "order": "pairs"}
-        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._cache: OrderedDict[int, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
-        self._cache_bytes = 0
-        self._lock = threading.Lock()
+        self._order = EpochShuffle(self.pairs.n, cfg.seed, _SALT)
+        self._cache = BlockCache(cfg.max_bytes_in_flight)
         self._start_state(global_batch_size, self.P, dp_rank)
 
     # ---- the order ----
@@ -136,45 +131,25 @@ class PairLoader(BackgroundBatches):
     def rows_in_epochs(self, epochs: float) -> int:
         """Pairs (this loader's rows: global_batch_size counts pairs) in the first `epochs` epochs (a fraction
         counts that share of an epoch's pairs)."""
-        whole = int(epochs)
-        return whole * self.pairs.n + int((epochs - whole) * self.pairs.n)
+        return self._order.in_epochs(epochs)
 
     def permutation(self, epoch: int) -> np.ndarray:
         """Epoch `epoch`'s pair ordinals in order (the last two stay cached)."""
-        with self._lock:
-            p = self._perms.get(epoch)
-            if p is None:
-                p = self._perms[epoch] = _rng(self.cfg.seed, _SALT, epoch).permutation(self.pairs.n)
-                while len(self._perms) > 2:
-                    self._perms.popitem(last=False)
-            self._perms.move_to_end(epoch)
-            return p
+        return self._order.permutation(epoch)
 
     def ordinals(self, g0: int, n: int) -> np.ndarray:
         """Ordinals of global pairs [g0, g0 + n) (epochs laid end to end)."""
-        g = np.arange(g0, g0 + n, dtype=np.int64)
-        out = np.empty(n, dtype=np.int64)
-        for e in np.unique(g // self.pairs.n).tolist():
-            sel = g // self.pairs.n == e
-            out[sel] = self.permutation(e)[g[sel] % self.pairs.n]
-        return out
+        return self._order.ordinals(g0, n)
 
     # ---- building batches ----
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray | None]:
-        hit = self._cache.get(b)
-        if hit is not None:
-            self._cache.move_to_end(b)
-            return hit
-        reader, k, _ = self.pairs.blocks[b]
-        blk = reader.read_block(k)
-        hit = (np.asarray(blk.tokens), None if blk.mask is None else np.asarray(blk.mask))
-        self._m["blocks_read"] += 1
-        self._cache[b] = hit
-        self._cache_bytes += hit[0].nbytes + (hit[1].nbytes if hit[1] is not None else 0)
-        while self._cache_bytes > self.cfg.max_bytes_in_flight and len(self._cache) > 1:
-            _, (t, m) = self._cache.popitem(last=False)
-            self._cache_bytes -= t.nbytes + (m.nbytes if m is not None else 0)
-        return hit
+        def load():
+            reader, k, _ = self.pairs.blocks[b]
+            blk = reader.read_block(k)
+            self._m["blocks_read"] += 1
+            mask = None if blk.mask is None else np.asarray(blk.mask)
+            return (np.asarray(blk.tokens), mask), blk.tokens.nbytes + (mask.nbytes if mask is not None else 0)
+        return self._cache.get(b, load)
 
     def build(self, g0: int, n: int) -> torch.Tensor:
         """Global pairs [g0, g0 + n) as int64 [2n, 5, seq_len], rows chosen, rejected, chosen, ..."""
