@@ -310,14 +310,14 @@ class TrainConfig:
 
     def check_data(self) -> None:
         """The dataset must exist (unless synthetic) and fit the model's vocabulary; the objective's own
-        checks (dpo: a reference)."""
-        objectives.get(self.objective).check_data(self)
+        checks (dpo: a reference; rl: answers for the rewards that need them), once the dataset is known."""
         if self.eval.tasks:
             self.eval.load_tasks()  # unknown names and malformed task files fail here, before torchrun
             if self.debug.synthetic_data or not self.data.dataset:
                 raise ConfigError("key 'eval.tasks': benchmarks need the dataset's tokenizer; set data.dataset "
                                   "(synthetic data has no tokenizer)")
         if self.debug.synthetic_data:
+            objectives.get(self.objective).check_data(self)
             return
         if not self.data.dataset:
             raise ConfigError("key 'data.dataset': required (a dataset folder or URL), or set "
@@ -336,6 +336,7 @@ class TrainConfig:
         if self.model.vocab_size is not None and man.tokenizer.vocab_size > vocab:
             raise ConfigError(f"key 'model.vocab_size': {vocab} is smaller than the dataset tokenizer's "
                               f"{man.tokenizer.vocab_size}")
+        objectives.get(self.objective).check_data(self)
 
     def document_masking(self) -> bool:
         if self.data.document_masking is None:

@@ -157,6 +157,12 @@ def format_eval(r: dict) -> str:
     parts += [f"{t} {r[f'eval/{t}/acc_norm']:.3f}" for t in tasks]
     for k in sorted(k for k in r if k.startswith("eval/") and k.endswith(GENERATIVE_HEADLINE)):  # generative tasks
         parts.append(f"{k.split('/')[1]} {k.split('/', 2)[2]} {r[k]:.3f}")
+    if "rl_val/reward" in r:
+        parts.append(f"held-out reward {r['rl_val/reward']:.3f} ± {r['rl_val/reward_se']:.3f} "
+                     f"({r['rl_val/prompts']} prompts)")
+    if "reward_val/accuracy" in r:
+        parts.append(f"held-out pairs {r['reward_val/pairs']}: accuracy {r['reward_val/accuracy']:.3f} ± "
+                     f"{r['reward_val/accuracy_se']:.3f}")
     if "dpo_val/pairs" in r:
         parts.append(f"held-out pairs {r['dpo_val/pairs']}: reward acc {r['dpo_val/reward_accuracy']:.3f} margin "
                      f"{r['dpo_val/reward_margin']:+.3f} chosen reward {r['dpo_val/rewards_chosen']:+.3f}")

@@ -95,7 +95,13 @@ class RL(Objective):
         self.rl = cfg.rl
         self.mirror = HFMirror(cfg.model)
         self.rewards = R.build(cfg.rl.rewards)
-        self.vocab = cfg.model.resolved().vocab_size
+        # ids the tokenizer has: the engine never samples the embedding's rows past them, nor may log-probs count them
+        from tokenizers import Tokenizer
+
+        from storage.fs import read_bytes
+
+        self.vocab = Tokenizer.from_str(read_bytes(self._tokenizer_path()).decode()).get_vocab_size(
+            with_added_tokens=True)
         self.rollouts = 0          # generation batches done (seeds the sampling; checkpointed)
         self.tokens = 0            # completion tokens of the current step (all DP ranks)
         self.stats: dict = {}
@@ -111,6 +117,12 @@ class RL(Objective):
 
     def sequences(self, global_batch: int) -> int:
         return global_batch * self.rl.group_size
+
+    def prepare(self, step: int) -> None:
+        """At the start of a run (not a resume), the starting policy's held-out reward: the baseline the
+        in-loop evaluations compare with (logged as the evaluation of step 0)."""
+        if step == 0 and self.cfg.eval.every and self.rl.eval_prompts:
+            self.sinks.log_eval(0, 0, {**self.evaluate(), "eval_time_s": 0.0})
 
     def state_dict(self) -> dict:
         return {"rollouts": self.rollouts}
@@ -239,7 +251,7 @@ class RL(Objective):
 
     def log_fields(self, window: list[dict], tokens: int, elapsed: float) -> dict:
         keys = [k for k in window[-1] if k.startswith(("reward", "response_length", "truncated", "kl", "entropy",
-                                                       "clip_fraction", "logp_mismatch", "sync_s", "generation_s",
+                                                       "clip_fraction", "logp_mismatch", "value_loss", "sync_s", "generation_s",
                                                        "rollout_s"))]
         out = {k: sum(w[k] for w in window) / len(window) for k in keys}
         out["update_s"] = sum(w["step_time_s"] - w.get("rollout_s", 0.0) for w in window) / len(window)
