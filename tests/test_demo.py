@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
     res = subprocess.run([sys.executable, "-m", "tools.demo", "--out", str(out), "--steps", "30", "--sft-epochs", "0.2",
-                          "--mid-steps", "10", "--apo-epochs", "1", "--pairs", "400", "--eval-limit", "20"], cwd=REPO,
+                          "--mid-steps", "10", "--apo-epochs", "1", "--pairs", "400", "--grpo-steps", "4", "--eval-limit", "4"], cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     assert "resumed at step 20" in res.stdout + res.stderr
@@ -94,12 +94,25 @@ def _check_chain(out, stdout):
     assert [i["weight"] for i in merge["inputs"]] == [0.9, 0.1] and merge["method"] == "linear"
     assert "/merged/apo-soup/" in merge["inputs"][0]["checkpoint"] and "/mid/" in merge["inputs"][1]["checkpoint"]
     assert [i["step"] for i in merge["inputs"][0]["merged_from"]["inputs"]] == [10, last]
-    rows = [ln.split() for ln in stdout.split("the stages compared\n", 2)[-1].splitlines()
-            if ln.split()[:1] and ln.split()[0] in ("pretrain", "mid", "sft", "apo-soup", "final")]
-    assert [r[0] for r in rows] == ["pretrain", "mid", "sft", "apo-soup", "final"], stdout[-3000:]
+    # GRPO from the merged model: held-out reward at step 0 and after the last step, printed
+    assert "/merged/final/" in json.dumps(init_of("grpo"))
+    grpo = records("grpo")
+    assert [r["step"] for r in grpo if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in grpo if r.get("kind") == "eval"] == [0, 4]
+    assert all("reward" in r and "generation_s" in r for r in grpo if "loss" in r)
+    assert "GRPO held-out reward: " in stdout
+    stage_names = ["pretrain", "mid", "sft", "apo-soup", "final", "grpo"]
+    table = stdout.split("the stages compared\n", 2)[-1].splitlines()
+    header = next(ln.split() for ln in table if ln.startswith("label "))
+    assert {"gsm8k_cot_chat", "ifeval"} <= set(header), header  # "gsm8k_cot_chat strict", "ifeval prompt-strict"
+    rows = [ln.split() for ln in table if ln.split()[:1] and ln.split()[0] in stage_names]
+    assert [r[0] for r in rows] == stage_names, stdout[-3000:]
     sft = json.loads((out / "chain-eval" / "sft.json").read_text())
     assert float(rows[2][3]) == pytest.approx(sft["metrics"]["val/all/loss"], abs=1e-4)
     assert "eval/sciq/acc_norm" in sft["metrics"]
+    gen = sft["tasks"]["gsm8k_cot_chat"]
+    assert gen["generative"] and gen["metrics"]["items"] == 4 and all("generation" in it for it in gen["items"])
+    assert "eval/ifeval/inst_level_loose_acc" in sft["metrics"]
 
 
 def _check_export(hf, data, manifest):

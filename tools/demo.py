@@ -3,11 +3,12 @@
 every checkpoint → HF export → generation → storage bench → the table of every checkpoint. Then the chain,
 each stage starting (`--init`) from the previous stage's checkpoint: mid-training (a reweighted mix, LR
 annealed) → SFT on a chat dataset → APO-zero on real preference pairs (SciQ) → merges (a soup of the APO
-checkpoints, then linear 0.9 soup + 0.1 mid-training) → one table comparing the stages. Prints where every
-output lies.
+checkpoints, then linear 0.9 soup + 0.1 mid-training) → GRPO on arithmetic questions with verifiable answers
+→ one table comparing the stages (validation loss, benchmarks, GSM8K and IFEval generated and scored as
+lm-eval scores them). Prints where every output lies.
 
     python -m tools.demo [--out demo-out] [--steps 450] [--mid-steps 80] [--sft-epochs 2]
-                         [--apo-epochs 1] [--pairs N] [--eval-limit N]
+                         [--apo-epochs 1] [--pairs N] [--grpo-steps 60] [--eval-limit N]
 """
 from __future__ import annotations
 
@@ -72,10 +73,10 @@ def sft_stage(out: Path, data: Path, start: Path, epochs: float) -> None:
              "sources": [{"name": "qa", "paths": [str(chat_in)], "format": "chat",
                           "chat": {"template": "chatml", "train_on": "assistant", "max_tokens": 512}}]}
     (out / "chat-build.yaml").write_text(yaml.safe_dump(build))
-    step("9/13 datapipe build (format: chat): 3,000 conversations made from stdlib docstrings → ChatML, loss "
+    step("9/15 datapipe build (format: chat): 3,000 conversations made from stdlib docstrings → ChatML, loss "
          "mask on assistant turns, shard format 2", [str(BIN / "datapipe"), "build", "--quiet",
                                                      str(out / "chat-build.yaml")])
-    step(f"10/13 train launch (objective sft): {epochs:g} epochs, packed best-fit decreasing with document "
+    step(f"10/15 train launch (objective sft): {epochs:g} epochs, packed best-fit decreasing with document "
          f"masking, --init from mid-training's {start.name}",
          [str(BIN / "train"), "launch", "configs/demo-sft.yaml", "--nproc", "2", "--init", str(start),
           "--set", f"data.dataset={chat}", "--set", f"run_dir={sft}", "--set", f"epochs={epochs}"])
@@ -84,7 +85,7 @@ def sft_stage(out: Path, data: Path, start: Path, epochs: float) -> None:
 
 
 def mid_stage(out: Path, data: Path, start: Path, steps: int) -> Path:
-    step(f"8/13 train launch: mid-training, {steps} steps from {start.name} (--init) on the same dataset "
+    step(f"8/15 train launch: mid-training, {steps} steps from {start.name} (--init) on the same dataset "
          "reweighted (data.mix), LR annealed linearly",
          [str(BIN / "train"), "launch", "configs/demo-mid.yaml", "--nproc", "2", "--init", str(start),
           "--set", f"data.dataset={data}", "--set", f"run_dir={out / 'mid'}", "--set", f"steps={steps}"])
@@ -109,26 +110,59 @@ def apo_stage(out: Path, data: Path, sft: Path, epochs: float, pairs: int | None
              "sources": [{"name": "sciq", "paths": [str(src)], "format": "preference",
                           "chat": {"template": "chatml", "max_tokens": 256}}]}
     (out / "prefs-build.yaml").write_text(yaml.safe_dump(build))
-    step("11/13 datapipe build (format: preference): SciQ pairs → ChatML, completion masks, pairs stored "
+    step("11/15 datapipe build (format: preference): SciQ pairs → ChatML, completion masks, pairs stored "
          "together", [str(BIN / "datapipe"), "build", "--quiet", str(out / "prefs-build.yaml")])
-    step(f"12/13 train launch (objective dpo, loss apo_zero): {epochs:g} epochs --init from the SFT checkpoint "
+    step(f"12/15 train launch (objective dpo, loss apo_zero): {epochs:g} epochs --init from the SFT checkpoint "
          "(the reference: its log-probs computed once, stored beside the dataset), held-out pair metrics",
          [str(BIN / "train"), "launch", "configs/demo-apo.yaml", "--nproc", "2", "--init", str(sft),
           "--set", f"data.dataset={prefs}", "--set", f"run_dir={out / 'apo'}", "--set", f"epochs={epochs}"])
     return out / "apo"
 
 
-def merge_and_compare(out: Path, data: Path, stages: dict[str, Path], apo: Path, limit: list[str]) -> None:
-    """Soup of the last APO checkpoints, linear 0.9 soup + 0.1 mid-training (SmolLM3's recipe), then one
-    evaluation of every stage under the pretraining config (validation loss on its held-out split, the
-    benchmarks incl. SciQ) and the table."""
+def merge(out: Path, stages: dict[str, Path], apo: Path) -> dict[str, Path]:
+    """Soup of the last APO checkpoints, then linear 0.9 soup + 0.1 mid-training (SmolLM3's recipe)."""
     ckpts = sorted(p for p in (apo / "checkpoints").iterdir() if p.name.startswith("step_"))[-2:]
     soup, final = out / "merged" / "apo-soup", out / "merged" / "final"
-    step(f"13/13 train ckpt merge --soup ({', '.join(p.name for p in ckpts)}) then --linear soup:0.9 mid:0.1",
+    step(f"13/15 train ckpt merge --soup ({', '.join(p.name for p in ckpts)}) then --linear soup:0.9 mid:0.1",
          [str(BIN / "train"), "ckpt", "merge", "--soup", *map(str, ckpts), str(soup)])
     step("train ckpt merge --linear", [str(BIN / "train"), "ckpt", "merge", "--linear", f"{soup}:0.9",
                                        f"{stages['mid']}:0.1", str(final)])
-    stages = {**stages, "apo-soup": newest_checkpoint(soup), "final": newest_checkpoint(final)}
+    return {**stages, "apo-soup": newest_checkpoint(soup), "final": newest_checkpoint(final)}
+
+
+def grpo_stage(out: Path, data: Path, start: Path, steps: int) -> Path:
+    """Arithmetic prompts with answers (`format: prompts`) → GRPO from the merged model: rollouts through
+    the generation engine, math-verify and format rewards, held-out reward at step 0 and every 30 steps."""
+    import json
+
+    import yaml
+
+    from datapipe.demo import arithmetic_prompts
+
+    src, arith = out / "_arith_input" / "arith.jsonl", out / "arith"
+    src.parent.mkdir(parents=True, exist_ok=True)
+    src.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_prompts(400, seed=7, max_operand=20)))
+    build = {"output": str(arith), "tokenizer": {"path": str(data / "tokenizer.json")}, "validation": {"fraction": 0.2},
+             "sources": [{"name": "arith", "paths": [str(src)], "format": "prompts",
+                          "chat": {"template": "chatml", "max_tokens": 64}}]}
+    (out / "arith-build.yaml").write_text(yaml.safe_dump(build))
+    step("14/15 datapipe build (format: prompts): 400 arithmetic questions with answers, a fifth held out",
+         [str(BIN / "datapipe"), "build", "--quiet", str(out / "arith-build.yaml")])
+    step(f"15/15 train launch (objective grpo): {steps} steps from the merged model, 8 prompts x 8 completions a step, "
+         "rewards math-verify + format, held-out reward (greedy) at step 0 and every 30 steps",
+         [str(BIN / "train"), "launch", "configs/demo-grpo.yaml", "--nproc", "2", "--init", str(start),
+          "--set", f"data.dataset={arith}", "--set", f"run_dir={out / 'grpo'}", "--set", f"steps={steps}"])
+    rl = [json.loads(ln) for ln in (out / "grpo" / "metrics.jsonl").read_text().splitlines() if "rl_val/reward" in ln]
+    a, b = rl[0], rl[-1]
+    print(f"GRPO held-out reward: {a['rl_val/reward']:.3f} ± {a['rl_val/reward_se']:.3f} at step {a['step']} -> "
+          f"{b['rl_val/reward']:.3f} ± {b['rl_val/reward_se']:.3f} at step {b['step']} ({b['rl_val/prompts']} prompts)",
+          flush=True)
+    return newest_checkpoint(out / "grpo" / "checkpoints")
+
+
+def compare(out: Path, data: Path, stages: dict[str, Path], limit: list[str]) -> None:
+    """One evaluation of every stage under the pretraining config (validation loss on its held-out split,
+    the benchmarks incl. SciQ, GSM8K and IFEval generated) and the table."""
     chain = out / "chain-eval"
     step("train eval: every stage under one config (pretraining validation split; benchmarks incl. SciQ; GSM8K "
          "0-shot chat and IFEval generated and scored as lm-eval scores them, 20 items each)",
@@ -147,6 +181,7 @@ def main() -> None:
     ap.add_argument("--sft-epochs", type=float, default=2.0, help="epochs of the SFT stage")
     ap.add_argument("--apo-epochs", type=float, default=1.0, help="epochs of the APO-zero stage")
     ap.add_argument("--pairs", type=int, default=None, help="SciQ pairs for the APO stage (default: all 1,000)")
+    ap.add_argument("--grpo-steps", type=int, default=60, help="steps of the GRPO stage")
     ap.add_argument("--eval-limit", type=int, default=None, help="items per benchmark (default: eval.limit)")
     args = ap.parse_args()
     out = REPO / args.out
@@ -158,28 +193,28 @@ def main() -> None:
     sets = ["--set", f"data.dataset={data}", "--set", f"run_dir={run}", "--set", f"steps={args.steps}",
             *(["--set", f"eval.limit={args.eval_limit}"] if args.eval_limit else [])]
     t0 = time.time()
-    step("1/13 datapipe build: embedded corpus → filtered, deduplicated, tokenized shards (2 sources, 2 phases, "
+    step("1/15 datapipe build: embedded corpus → filtered, deduplicated, tokenized shards (2 sources, 2 phases, "
          "5 % held out for validation)",
          [str(BIN / "datapipe"), "build", "--set", f"output={data}", "--set", "validation.fraction=0.05",
           "--workers", "2"])
     step("storage verify: every shard's sha256, frames and counts", [str(BIN / "storage"), "verify", str(data)])
-    step(f"2/13 train launch: tiny Llama, TP=2 on 2 CPU processes, steps 0 → {first}, async checkpoints, "
+    step(f"2/15 train launch: tiny Llama, TP=2 on 2 CPU processes, steps 0 → {first}, async checkpoints, "
          "validation loss + benchmarks every 150 steps",
          [str(BIN / "train"), "launch", "configs/demo.yaml", "--nproc", "2", *sets, "--set", f"stop_at={first}"])
-    step(f"3/13 train launch again: auto-resumes from the newest checkpoint, steps {first} → {args.steps}",
+    step(f"3/15 train launch again: auto-resumes from the newest checkpoint, steps {first} → {args.steps}",
          [str(BIN / "train"), "launch", "configs/demo.yaml", "--nproc", "2", *sets])
     step("train plot: loss, grad norm, LR, tokens/s (metrics.png); validation loss and benchmarks (eval.png)",
          [str(BIN / "train"), "plot", str(run)])
-    step("4/13 train eval --all: every checkpoint, validation loss and the three benchmarks (TP=1 here: "
+    step("4/15 train eval --all: every checkpoint, validation loss and the three benchmarks (TP=1 here: "
          "resharded on load)", [str(BIN / "train"), "eval", str(run), "--all", *limit])
     ckpt = newest_checkpoint(run / "checkpoints")
     step("train ckpt list", [str(BIN / "train"), "ckpt", "list", str(run / "checkpoints")])
-    step(f"5/13 train ckpt export: {ckpt.name} → Hugging Face Llama folder",
+    step(f"5/15 train ckpt export: {ckpt.name} → Hugging Face Llama folder",
          [str(BIN / "train"), "ckpt", "export", str(ckpt), str(hf)])
-    print("\n=== 6/13 transformers: greedy generation from the export", flush=True)
+    print("\n=== 6/15 transformers: greedy generation from the export", flush=True)
     for prompt in ("The ", "def "):
         print(f"  {prompt!r} → {generate(hf, prompt)!r}", flush=True)
-    step("7/13 storage bench --quick on the run directory",
+    step("7/15 storage bench --quick on the run directory",
          [str(BIN / "storage"), "bench", "--quick", str(run), "--out", str(bench)])
     step("train eval --table: which checkpoint is best (a tiny model stays near chance: 0.25 for 4 choices, "
          "0.5 for 2; the validation loss shows the learning)", [str(BIN / "train"), "eval", "--table", str(run)])
@@ -187,7 +222,9 @@ def main() -> None:
     sft_stage(out, data, mid, args.sft_epochs)
     sft = newest_checkpoint(out / "sft" / "checkpoints")
     apo = apo_stage(out, data, sft, args.apo_epochs, args.pairs)
-    merge_and_compare(out, data, {"pretrain": ckpt, "mid": mid, "sft": sft}, apo, limit)
+    stages = merge(out, {"pretrain": ckpt, "mid": mid, "sft": sft}, apo)
+    stages["grpo"] = grpo_stage(out, data, stages["final"], args.grpo_steps)
+    compare(out, data, stages, limit)
     print(f"\nDone in {time.time() - t0:.0f} s. Outputs:")
     print(f"  dataset + build report   {data}  (manifest.json; `datapipe report {data}`)")
     print(f"  training run             {run}  (metrics.jsonl, TensorBoard events, config.yaml)")
@@ -201,6 +238,7 @@ def main() -> None:
     print(f"  pairs dataset, APO run   {out / 'prefs'}, {out / 'apo'}  (held-out pair metrics: dpo_val/* in "
           "metrics.jsonl)")
     print(f"  merged checkpoints       {out / 'merged'}  (apo-soup, final)")
+    print(f"  prompts dataset, GRPO    {out / 'arith'}, {out / 'grpo'}  (held-out reward: rl_val/* in metrics.jsonl)")
     print(f"  stage comparison         {out / 'chain-eval'}  (`train eval --table {out / 'chain-eval'}`)")
 
 

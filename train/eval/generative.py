@@ -89,9 +89,9 @@ def _lm_eval_task(name: str, docs: list[dict], workdir: str):
     """lm-eval's Task for `name` over `docs`: its installed YAML included by a local config."""
     import yaml
 
-    from train.eval.lmeval import lm_eval_tasks_dir, offline, use_punkt
+    from train.eval.lmeval import lm_eval_tasks_dir, offline, ifeval_environment
 
-    use_punkt()
+    ifeval_environment()
     data = os.path.join(workdir, f"{name}.jsonl")
     with open(data, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)

@@ -154,7 +154,7 @@ def run_lmeval_generative(folder: str, task_yaml: str, docs_file: str, workdir: 
         cfg["generation_kwargs"] = {**(base.get("generation_kwargs") or {}), "max_gen_toks": max_gen_toks}
     with open(os.path.join(workdir, f"{task}.yaml"), "w") as f:
         yaml.safe_dump(cfg, f)
-    use_punkt()
+    ifeval_environment()
     with offline():
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -182,8 +182,10 @@ def run_lmeval_generative(folder: str, task_yaml: str, docs_file: str, workdir: 
             "results": res["results"][task], "seconds": seconds}
 
 
-def use_punkt() -> None:
-    """NLTK's English Punkt tables from train/eval/data (IFEval's checkers would download them otherwise)."""
+def ifeval_environment() -> None:
+    """What lm-eval's IFEval checkers need, offline and deterministic: NLTK's English Punkt tables from
+    train/eval/data (they would be downloaded otherwise), and langdetect seeded (its detector is randomized,
+    so `language:response_language` could score one text differently from run to run)."""
     path = os.path.join(os.path.dirname(__file__), "data", "nltk")
     if path not in os.environ.get("NLTK_DATA", ""):
         os.environ["NLTK_DATA"] = os.pathsep.join(p for p in (path, os.environ.get("NLTK_DATA")) if p)
@@ -191,3 +193,6 @@ def use_punkt() -> None:
 
     if path not in nltk.data.path:
         nltk.data.path.insert(0, path)
+    from langdetect import DetectorFactory
+
+    DetectorFactory.seed = 0

@@ -6,7 +6,8 @@ Backends (`backend`):
   leave the running batch as they start and finish, prompt blocks shared between requests with a common
   prefix (few-shot prompts) are computed once, KV cache in pages. Stop strings, which it does not know,
   are watched on the streamed tokens here and the request is cancelled.
-- `padded`: transformers' `generate` on batches of prompts sorted by length, left-padded, with a KV cache
+- `padded`: transformers' `generate` on batches of prompts sorted by length, left-padded, with a static
+  KV cache (preallocated: no copy of the growing cache at every step, as the default dynamic cache does)
   and a stopping criterion per row (EOS ids and stop strings).
 - `vllm`: vLLM's `LLM` on a GPU, its weights handed over from ours (`load_weights`), never downloaded.
 `auto` picks vLLM when it is installed and a GPU is present, else `continuous` on a GPU when the installed
@@ -141,7 +142,9 @@ class Engine:
             if params.temperature > 0:
                 torch.manual_seed(params.seed * 1_000_003 + b)
             with torch.no_grad():
-                gen = self._generation_config(params, return_dict_in_generate=True, output_logits=params.logprobs)
+                # a static KV cache (preallocated for prompt + max_new_tokens): no per-step copy of the growing cache
+                gen = self._generation_config(params, return_dict_in_generate=True, output_logits=params.logprobs,
+                                              cache_implementation="static")
                 res = self.model.generate(ids, attention_mask=mask, generation_config=gen,
                                           stopping_criteria=StoppingCriteriaList([_Stop()]))
             seqs = res.sequences[:, width:]

@@ -255,6 +255,7 @@ class RL(Objective):
                                                        "rollout_s"))]
         out = {k: sum(w[k] for w in window) / len(window) for k in keys}
         out["update_s"] = sum(w["step_time_s"] - w.get("rollout_s", 0.0) for w in window) / len(window)
+        out["row_width"] = sum(w["width"] for w in window) / len(window)  # rows are cut after the longest
         out["completion_tokens_per_s"] = sum(w["loss_tokens"] for w in window) / elapsed if elapsed > 0 else 0.0
         return out
 
