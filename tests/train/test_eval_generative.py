@@ -1,6 +1,6 @@
 """Generative evaluation (train.eval.generative): on the tiny Llama of tests/train/conftest.py, `train eval
 --hf` gives the same generations, extracted answers and per-item scores as lm-evaluation-harness's HF
-backend (batch size 1) for gsm8k_cot and for ifeval with the chat template; a checkpoint evaluated under
+backend (batch size 1) for gsm8k_cot, and with the chat template for gsm8k_cot_chat and ifeval; a checkpoint evaluated under
 TP=2 (its weights mirrored from the Megatron model) gives the same generations; bad input is one line
 naming the key, file and line; `train eval --table` shows the generative columns."""
 from __future__ import annotations
@@ -22,7 +22,8 @@ def hf_results(tiny_hf, tmp_path_factory):
     from train.cli import main
 
     out = tmp_path_factory.mktemp("geneval") / "eval.json"
-    r = CliRunner().invoke(main, ["eval", "--hf", tiny_hf[0], "--tasks", "gsm8k_cot,ifeval", "--limit", str(LIMIT),
+    r = CliRunner().invoke(main, ["eval", "--hf", tiny_hf[0], "--tasks", "gsm8k_cot,gsm8k_cot_chat,ifeval",
+                                  "--limit", str(LIMIT),
                                   "--set", f"eval.generation.max_new_tokens={N_NEW}", "--out", str(out)])
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert "gsm8k_cot" in r.output and "inst_level_loose_acc" in r.output
@@ -30,6 +31,7 @@ def hf_results(tiny_hf, tmp_path_factory):
 
 
 @pytest.mark.parametrize("task,yaml_path,chat", [("gsm8k_cot", "gsm8k/gsm8k-cot.yaml", False),
+                                                 ("gsm8k_cot_chat", "gsm8k/gsm8k-cot-zeroshot.yaml", True),
                                                  ("ifeval", "ifeval/ifeval.yaml", True)])
 def test_same_generations_and_scores_as_lm_eval(tiny_hf, hf_results, tmp_path, task, yaml_path, chat):
     from train.eval.generative import read_docs

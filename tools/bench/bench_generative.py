@@ -114,6 +114,9 @@ def backends(folder: str, prompts: int, max_new: int, batch: int) -> dict:
     return {k: min(v) for k, v in out.items()}
 
 
+PARTS = ("parity", "speed", "ifeval", "spec", "backends")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="demo-out/sft", help="a checkpoint or run dir (its newest), or HF folder")
@@ -121,12 +124,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--speed-items", type=int, default=32, help="items of the timed rounds (the first of --items)")
     ap.add_argument("--batch", type=int, default=32, help="our engine's batch size")
-    ap.add_argument("--lm-eval-batch", default="8,32,64", help="lm-eval batch sizes to try (its best is timed)")
+    ap.add_argument("--lm-eval-batch", default="8,32,64", help="lm-eval batch sizes to try (its best is timed; "
+                    "the first runs the parity check)")
     ap.add_argument("--ifeval-tokens", type=int, default=64, help="max_gen_toks of the IFEval parity run")
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--spec-prompts", type=int, default=8)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)} to run")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    if set(parts) - set(PARTS):
+        sys.exit(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; known: {', '.join(PARTS)}")
 
     from train.eval.generative import read_docs
     from train.generation.load import is_hf_folder
@@ -142,90 +150,95 @@ def main() -> None:
     _, docs, _ = read_docs("gsm8k_cot", args.items)
     gdocs = os.path.join(work, "gsm8k.jsonl")
     Path(gdocs).write_text("".join(json.dumps(d) + "\n" for d in docs))
-
-    # parity on every item: ours and lm-eval (its batch size: the first of --lm-eval-batch)
     first = int(args.lm_eval_batch.split(",")[0])
-    mine, t_mine = ours(folder, "gsm8k_cot", args.items, None, args.batch)
-    ref, t_ref0 = lmeval(folder, "gsm8k/gsm8k-cot.yaml", gdocs, os.path.join(work, "parity"), first, False, None)
-    parity = compare(mine, ref)
-    print(f"gsm8k_cot parity {parity}: ours {t_mine:.1f} s, lm-eval (batch {first}) {t_ref0:.1f} s", flush=True)
-    # speed on the first --speed-items items: lm-eval's best batch size here, then alternating rounds
-    _, sdocs, _ = read_docs("gsm8k_cot", args.items)
-    sdocs = sdocs[:args.speed_items]
-    spath = os.path.join(work, "speed.jsonl")
-    Path(spath).write_text("".join(json.dumps(d) + "\n" for d in sdocs))
-    speed_spec = f"gsm8k_cot={spath}"
-    tries = {}
-    for b in (int(x) for x in args.lm_eval_batch.split(",")):
-        _, tries[b] = lmeval(folder, "gsm8k/gsm8k-cot.yaml", spath, os.path.join(work, f"try{b}"), b, False, None)
-        print(f"lm-eval batch {b}: {tries[b]:.1f} s", flush=True)
-    best = min(tries, key=tries.get)
-    t_ours, t_ref = [], []
-    for r in range(args.rounds):
-        order = ("ours", "lm-eval") if r % 2 == 0 else ("lm-eval", "ours")
-        for side in order:
-            if side == "ours":
-                _, dt = ours(folder, speed_spec, None, None, args.batch)
-                t_ours.append(dt)
-            else:
-                _, dt = lmeval(folder, "gsm8k/gsm8k-cot.yaml", spath, os.path.join(work, f"r{r}"), best, False, None)
-                t_ref.append(dt)
-            print(f"round {r} {side}: {dt:.1f} s", flush=True)
-    n = len(sdocs)
-    speed = {"ours_items_per_s": n / statistics.median(t_ours), "lm_eval_items_per_s": n / statistics.median(t_ref),
-             "lm_eval_batch": best}
-    speed["ratio"] = speed["ours_items_per_s"] / speed["lm_eval_items_per_s"]
-    print("speed", speed, flush=True)
-
-    # IFEval: every prompt, chat template on
-    mine, _ = ours(folder, "ifeval", None, args.ifeval_tokens, args.batch)
-    _, idocs, _ = read_docs("ifeval")
-    ipath = os.path.join(work, "ifeval.jsonl")
-    Path(ipath).write_text("".join(json.dumps(d) + "\n" for d in idocs))
-    ref, _ = lmeval(folder, "ifeval/ifeval.yaml", ipath, os.path.join(work, "ifeval"), best, True, args.ifeval_tokens)
-    ifeval = compare(mine, ref)
-    ifeval["same_instruction_results"] = sum(
-        a["inst_level_strict_acc"] == b["inst_level_strict_acc"] and a["inst_level_loose_acc"] == b["inst_level_loose_acc"]
-        for a, b in zip(mine["items"], ref["per_item"], strict=True))
-    ifeval["instructions"] = sum(len(b["inst_level_strict_acc"]) for b in ref["per_item"])
-    print("ifeval parity", ifeval, flush=True)
-    spec = speculative(folder, args.draft_layers, args.spec_prompts, 48)
-    print("speculative", spec, flush=True)
-    eng = backends(folder, 32, 48, args.batch)
-    print("engine backends", eng, flush=True)
-
-    if args.append:
-        cmd = "python tools/bench/bench_generative.py " + " ".join(sys.argv[1:])
-        with open(args.append, "a") as f:
-            f.write(f"""
+    out = []
+    cmd = "python tools/bench/bench_generative.py " + " ".join(sys.argv[1:])
+    out.append(f"""
 ## Generative evaluation vs lm-evaluation-harness ({datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores)
 
 `{cmd}`: the demo's SFT model exported to a HF folder; lm-eval {_version("lm_eval")} HF backend, offline, local task
 YAMLs including its own gsm8k-cot.yaml / ifeval.yaml over the same docs; greedy, lm-eval's stop sequences and
 max_gen_toks (gsm8k_cot 256; ifeval lowered to {args.ifeval_tokens} for both sides).
-
-| check | items | same generations | same extracted answers | same per-item scores |
-|---|---|---|---|---|
-| gsm8k_cot (8-shot) | {parity['items']} | {parity['same_generations']} | {parity['same_answers']} | {parity['same_per_item_scores']} |
-| ifeval (chat template) | {ifeval['items']} | {ifeval['same_generations']} | - | {ifeval['same_per_item_scores']} (instruction results: {ifeval['same_instruction_results']} prompts, {ifeval['instructions']} instructions) |
-
-Speed on the first {args.speed_items} gsm8k_cot items (whole call: model load, prompts, generation, scoring;
-median of {args.rounds} alternating rounds): ours {speed['ours_items_per_s']:.2f} items/s (engine batch {args.batch}),
-lm-eval {speed['lm_eval_items_per_s']:.2f} items/s at its best batch size here ({best}; tried {args.lm_eval_batch}):
-**{speed['ratio']:.2f}x**. (The parity run on all {args.items} items: ours {t_mine:.0f} s, lm-eval at batch {first}
-{t_ref0:.0f} s.)
-
+""")
+    if "parity" in parts:
+        mine, t_mine = ours(folder, "gsm8k_cot", args.items, None, args.batch)
+        ref, t_ref0 = lmeval(folder, "gsm8k/gsm8k-cot.yaml", gdocs, os.path.join(work, "parity"), first, False, None)
+        parity = compare(mine, ref)
+        print(f"gsm8k_cot parity {parity}: ours {t_mine:.1f} s, lm-eval (batch {first}) {t_ref0:.1f} s", flush=True)
+        out.append(f"""
+gsm8k_cot (8-shot) on {parity['items']} items: same generations {parity['same_generations']}, same extracted answers
+(both filters) {parity['same_answers']}, same per-item exact_match {parity['same_per_item_scores']} (ours {t_mine:.0f} s,
+lm-eval at batch {first} {t_ref0:.0f} s).
+""")
+    if "ifeval" in parts:
+        mine, _ = ours(folder, "ifeval", None, args.ifeval_tokens, args.batch)
+        _, idocs, _ = read_docs("ifeval")
+        ipath = os.path.join(work, "ifeval.jsonl")
+        Path(ipath).write_text("".join(json.dumps(d) + "\n" for d in idocs))
+        ref, _ = lmeval(folder, "ifeval/ifeval.yaml", ipath, os.path.join(work, "ifeval"), first, True,
+                        args.ifeval_tokens)
+        ifeval = compare(mine, ref)
+        ifeval["same_instruction_results"] = sum(
+            a["inst_level_strict_acc"] == b["inst_level_strict_acc"] and a["inst_level_loose_acc"] == b["inst_level_loose_acc"]
+            for a, b in zip(mine["items"], ref["per_item"], strict=True))
+        ifeval["instructions"] = sum(len(b["inst_level_strict_acc"]) for b in ref["per_item"])
+        print("ifeval parity", ifeval, flush=True)
+        out.append(f"""
+ifeval (chat template) on all {ifeval['items']} prompts: same generations {ifeval['same_generations']}, same
+per-instruction results (strict and loose) on {ifeval['same_instruction_results']} prompts ({ifeval['instructions']}
+instructions), same prompt-level scores on {ifeval['same_per_item_scores']}.
+""")
+    if "speed" in parts:
+        sdocs = docs[:args.speed_items]
+        spath = os.path.join(work, "speed.jsonl")
+        Path(spath).write_text("".join(json.dumps(d) + "\n" for d in sdocs))
+        tries = {}
+        for b in (int(x) for x in args.lm_eval_batch.split(",")):
+            _, tries[b] = lmeval(folder, "gsm8k/gsm8k-cot.yaml", spath, os.path.join(work, f"try{b}"), b, False, None)
+            print(f"lm-eval batch {b}: {tries[b]:.1f} s", flush=True)
+        best = min(tries, key=tries.get)
+        t_ours, t_ref = [], []
+        for r in range(args.rounds):
+            for side in (("ours", "lm-eval") if r % 2 == 0 else ("lm-eval", "ours")):
+                if side == "ours":
+                    _, dt = ours(folder, f"gsm8k_cot={spath}", None, None, args.batch)
+                    t_ours.append(dt)
+                else:
+                    _, dt = lmeval(folder, "gsm8k/gsm8k-cot.yaml", spath, os.path.join(work, f"r{r}"), best, False,
+                                   None)
+                    t_ref.append(dt)
+                print(f"round {r} {side}: {dt:.1f} s", flush=True)
+        n = len(sdocs)
+        ours_rate, ref_rate = n / statistics.median(t_ours), n / statistics.median(t_ref)
+        print("speed", ours_rate, ref_rate, flush=True)
+        out.append(f"""
+Speed on the first {n} gsm8k_cot items (whole call: model load, prompts, generation, scoring; median of
+{args.rounds} alternating rounds): ours {ours_rate:.2f} items/s (engine batch {args.batch}), lm-eval {ref_rate:.2f} items/s
+at its best batch size here ({best}; tried {args.lm_eval_batch}: {", ".join(f"{b}: {t:.0f} s" for b, t in tries.items())}):
+**{ours_rate / ref_rate:.2f}x**.
+""")
+    if "spec" in parts:
+        spec = speculative(folder, args.draft_layers, args.spec_prompts, 48)
+        print("speculative", spec, flush=True)
+        out.append(f"""
 Speculative decoding (`train generate --draft`), target the SFT model ({spec['target_layers']} layers), draft its
 first {spec['draft_layers']} layer(s) (built by the script, not trained further), {spec['prompts']} chat prompts, 48
 new tokens: acceptance {spec['acceptance']:.1%}, speed-up {spec['speedup']:.2f}x (median per prompt), output
 identical to plain greedy on {spec['identical']}/{spec['prompts']} prompts. On 2 CPU cores a 4-layer, 128-wide target
 costs about as much per forward pass as its draft (fixed per-call overhead dominates), so assisted generation
 cannot win here; it pays when the target is much larger than the draft.
-
-Engine backends on CPU (32 gsm8k_cot prompts, 48 new tokens each, no stop strings, batch {args.batch}, best of 2):
-padded `generate` {eng['padded']:.1f} s, transformers continuous batching {eng['continuous']:.1f} s
-({eng['continuous'] / eng['padded']:.1f}x slower): `auto` picks padded batches on CPU.
 """)
+    if "backends" in parts:
+        eng = backends(folder, 32, 48, args.batch)
+        print("engine backends", eng, flush=True)
+        out.append(f"""
+Engine backends on CPU (32 gsm8k_cot prompts, 48 new tokens each, no stop strings, batch {args.batch}, best of 2):
+padded `generate` with a static cache {eng['padded']:.1f} s, transformers continuous batching {eng['continuous']:.1f} s
+({eng['continuous'] / eng['padded']:.1f}x).
+""")
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("".join(out))
 
 
 def _version(pkg: str) -> str:

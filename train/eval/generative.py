@@ -99,6 +99,7 @@ def _lm_eval_task(name: str, docs: list[dict], workdir: str):
     with open(os.path.join(workdir, f"{local}.yaml"), "w") as f:
         yaml.safe_dump({"task": local, "include": os.path.join(lm_eval_tasks_dir(), TASKS[name][0]),
                         "dataset_path": "json", "dataset_name": None, "test_split": "test",
+                        "training_split": None, "validation_split": None, "fewshot_split": None,  # only test docs here
                         "dataset_kwargs": {"data_files": {"test": data}, "cache_dir": os.path.join(workdir, "hf")}},
                        f)
     with offline():

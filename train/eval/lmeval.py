@@ -144,7 +144,8 @@ def run_lmeval_generative(folder: str, task_yaml: str, docs_file: str, workdir: 
     task = TASK_PREFIX + os.path.basename(task_yaml).removesuffix(".yaml").replace("-", "_")
     os.makedirs(workdir, exist_ok=True)
     cfg = {"task": task, "include": os.path.join(lm_eval_tasks_dir(), task_yaml), "dataset_path": "json",
-           "dataset_name": None, "test_split": "test",
+           "dataset_name": None, "test_split": "test", "training_split": None, "validation_split": None,
+           "fewshot_split": None,
            "dataset_kwargs": {"data_files": {"test": os.path.abspath(docs_file)},
                               "cache_dir": os.path.abspath(os.path.join(workdir, "hf_datasets_cache"))}}
     if max_gen_toks is not None:  # `include` merges top-level keys only: the task's other generation settings stay
