@@ -48,6 +48,7 @@ from datapipe.dedup.exact import ExactHasher, ExactResolve, exact_removals, writ
 from datapipe.dedup.minhash import FastMinhashSignature, minhash_config
 from datapipe.dedup.verify import MinhashVerify
 from datapipe.filters import check_specs
+from datapipe.langid import load_model
 from datapipe.normalize import Normalize
 from datapipe.shardout import ShardOut, WriteValidation, source_infos, task_info_path
 from datapipe.sources import SourceReader, check_fields, expand_sources
@@ -100,6 +101,8 @@ class Build:
         for i, s in enumerate(cfg.sources):
             check_specs(cfg.filters_for(s), f"sources.{i}.filters" if s.filters is not None else "default_filters")
         check_fields(self.files, self.srcmap)
+        if cfg.langid.enabled and any(not s.language for s in cfg.sources):
+            load_model(cfg.langid)  # a missing or unreadable model fails here, before any stage
         self.chat_template = load_template(cfg.chat_template) if cfg.chat_template else None
         if cfg.tokenizer.path and not os.path.isfile(cfg.tokenizer.path):
             try:  # a missing local file fails here, not in the tokenizer stage after the scan
@@ -267,7 +270,7 @@ class Build:
                     add(st, k, v)
             add(st, "dropped_normalize", read["normalize"].get("dropped", 0))
             for k, v in read_json(self.w("counts", "filters", f"{r:05d}.json")).items():
-                add(st, f"dropped_{k}", v)
+                add(st, k if "language:" in k else f"dropped_{k}", v)
             parts = self.cfg.dedup.exact_parts if self.cfg.dedup.exact else 0
             add(st, "exact_duplicates", len(exact_removals(self.w("exact"), r, parts)))
             add(st, "near_duplicates", len(near_removals(self.w("minhash", "remove"), r)))
