@@ -26,6 +26,7 @@ import random
 import re
 import sys
 import unicodedata
+import zlib
 from pathlib import Path
 
 REFERENCE = Path("/usr/share/doc/debian-reference-common/docs")
@@ -148,15 +149,41 @@ def _txt_paragraphs(path: Path) -> list[str]:
     return paras
 
 
-def heldout_paragraphs(lang: str) -> list[str]:
-    """Paragraphs of the FAQ and the maintainers' guide in `lang` (English: the originals)."""
+_EN_STOP = set("the of and to in is a that for it with as are on be this by".split())
+
+
+def in_language(text: str, lang: str) -> bool:
+    """Whether a paragraph is in `lang`, by script (zh: Han and no kana; ja: kana) or by stop words (at
+    least 3 of `lang`'s, more than of any other of LANGS; FineWeb-2's lists, shipped in
+    datapipe/assets/languages, and 17 English function words): the label of the held-out set, which no
+    language-ID model decides."""
+    han = sum("\u4e00" <= c <= "\u9fff" for c in text)
+    kana = sum("\u3040" <= c <= "\u30ff" for c in text)
+    letters = sum(c.isalpha() for c in text) or 1
+    if lang == "zh":
+        return han >= 0.5 * letters and kana == 0
+    if lang == "ja":
+        return kana >= 0.1 * letters and han + kana >= 0.5 * letters
+    from datapipe.langsettings import shipped
+
+    stops = {lg: set(shipped()[lg]["filters"]["gopher_quality"]["stop_words"]) for lg in LANGS if lg not in ("en", "zh", "ja")}
+    stops["en"] = _EN_STOP
+    words = [w.lower() for w in re.findall(r"\w+['’]?", text)]
+    count = {lg: sum(w in s or w.rstrip("'’") in s for w in words) for lg, s in stops.items()}
+    return count[lang] >= 3 and all(count[lang] > v for lg, v in count.items() if lg != lang)
+
+
+def heldout_paragraphs(lang: str, clean: bool = False) -> list[str]:
+    """Paragraphs of the FAQ and the maintainers' guide in `lang` (English: the originals); `clean`: only
+    those `in_language` says are in it (the packages keep some paragraphs untranslated)."""
     fl = _FILE_LANG.get(lang, lang)
     paths = [FAQ / f"debian-faq.{fl}.txt.gz",
              Path(f"/usr/share/doc/maint-guide{'' if lang == 'en' else '-' + fl}/maint-guide.{fl}.txt.gz")]
     paths = [p for p in paths if p.exists()]
     if not paths:
         raise FileNotFoundError(f"no FAQ or maint-guide in {lang!r}: apt-get install {APT}")
-    return [p for path in paths for p in _txt_paragraphs(path)]
+    out = [p for path in paths for p in _txt_paragraphs(path)]
+    return [p for p in out if in_language(p, lang)] if clean else out
 
 
 _ROFF_ESC = re.compile(r"\\f[BIRP1-4]|\\f\(..|\\s[-+]?\d|\\\(..|\\[&|^%e]|\\-|\\ ")
@@ -200,22 +227,28 @@ def man_paragraphs(lang: str, min_chars: int = 120) -> list[str]:
     return out
 
 
+def calibration_half(section_id: str) -> bool:
+    """The Reference sections that calibrate thresholds (tools/bench/calibrate_languages.py); the others
+    are the test half."""
+    return zlib.crc32(section_id.encode()) % 2 == 0
+
+
 def write_test_data() -> None:
     """The small files the tests read (tests/data/multilingual/), from the installed packages:
-    parallel.jsonl.gz: 24 Debian Reference sections (600-4000 characters in English) in each of LANGS;
-    heldout.jsonl.gz: 40 FAQ / maint-guide paragraphs (>= 80 characters) per language;
+    parallel.jsonl.gz: 48 test-half Debian Reference sections (300-2500 characters in English) in each of LANGS;
+    heldout.jsonl.gz: 40 FAQ / maint-guide paragraphs (>= 80 characters, `in_language`) per language;
     cjk_base.jsonl.gz: 330 man-page paragraphs (150-600 characters) each of Chinese and Japanese."""
     TEST_DATA.mkdir(parents=True, exist_ok=True)
     rng = random.Random(35)
     secs = {lang: reference_sections(lang) for lang in LANGS}
-    common = sorted(k for k in secs["en"] if all(k in secs[lang] for lang in LANGS)
-                    and 600 <= len(secs["en"][k]) <= 4000)
-    pick = sorted(rng.sample(common, 24))
+    common = sorted(k for k in secs["en"] if all(k in secs[lang] for lang in LANGS) and not calibration_half(k)
+                    and 300 <= len(secs["en"][k]) <= 2500)
+    pick = sorted(rng.sample(common, 48))
     rows = [{"id": f"{lang}/{k}", "section": k, "language": lang, "text": secs[lang][k]} for k in pick for lang in LANGS]
     _write(TEST_DATA / "parallel.jsonl.gz", rows)
     rows = []
     for lang in LANGS:
-        paras = [p for p in heldout_paragraphs(lang) if len(p) >= 80]
+        paras = [p for p in heldout_paragraphs(lang, clean=True) if len(p) >= 80]
         rows += [{"id": f"{lang}/{i}", "language": lang, "text": p} for i, p in enumerate(rng.sample(paras, 40))]
     _write(TEST_DATA / "heldout.jsonl.gz", rows)
     rows = []
