@@ -117,6 +117,7 @@ class Build:
         if cfg.decontaminate.enabled:
             load_index(cfg.decontaminate)  # a bad task spec or file fails here, before any stage runs
         self._prepare_dirs(fresh)
+        self._empty_after_scan: set[str] = set()
 
     def w(self, *parts: str) -> str:
         return os.path.join(self.work, *parts)
@@ -242,13 +243,18 @@ class Build:
         documents (datapipe.emptycheck). Raises EmptyResultError if the build cannot go on; returns warnings."""
         if not final:
             stats = self.source_stats(scan_only=True)
-            return emptycheck.check(self.cfg, {n: st.get("kept", 0) for n, st in stats.items()}, stats, "the filters")
+            warnings = emptycheck.check(self.cfg, {n: st.get("kept", 0) for n, st in stats.items()}, stats,
+                                        "the filters")
+            self._empty_after_scan = {n for n, st in stats.items() if not st.get("kept", 0)}
+            return warnings
         stats, ranks_of = self.source_stats(), self.ranks_of()
         left = {}
         for s in self.cfg.sources:
             train, val = source_infos(self.work, s.name, ranks_of[s.name], s.kind)
             left[s.name] = train.documents + val.documents
-        return emptycheck.check(self.cfg, left, stats, "dedup and decontamination")
+        warnings = emptycheck.check(self.cfg, left, stats, "dedup and decontamination")
+        # sources the scan check already reported are not reported again
+        return [w for w in warnings if not any(w.startswith(f"source {n!r}:") for n in self._empty_after_scan)]
 
     def run(self, progress: bool = True) -> BuildResult:
         from tqdm import tqdm
@@ -377,8 +383,9 @@ class ManifestStep(PipelineStep):
         self.build = build
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
-        for line in self.build.check_empty(final=True):  # Slurm and Ray: the driver did not check
-            self.build.log_warning(line)
+        if self.build.cfg.executor.kind != "local":  # Slurm and Ray: the driver did not check
+            for line in self.build.check_empty(final=True):
+                self.build.log_warning(line)
         self.build.write_manifest()
 
 

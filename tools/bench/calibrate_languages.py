@@ -60,13 +60,16 @@ def parallel_docs(half: bool | None = None) -> dict[str, list]:
 
 def drop_reasons(docs, overrides: dict) -> list[tuple[int, str] | None]:
     """(filter index, reason) of the first filter of the default chain that drops each document (None:
-    kept), per-language settings on."""
+    kept), per-language settings on. Each document is copied first: C4 rewrites the text of those it keeps."""
+    from datatrove.data import Document
+
     from datapipe.config import fineweb_filters
     from datapipe.filters import PerLanguage
 
     chain = [PerLanguage(spec, "fast", overrides) for spec in fineweb_filters()]
     out = []
     for d in docs:
+        d = Document(text=d.text, id=d.id, metadata=dict(d.metadata))
         reason = None
         for i, f in enumerate(chain):
             r = f.filter(d)

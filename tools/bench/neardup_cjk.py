@@ -1,9 +1,9 @@
 """A multilingual near-duplicate set at known Jaccard from real Chinese and Japanese (and English) text:
 used by tools/bench/bench_multilingual.py and tests/datapipe/test_datapipe_multilingual.py.
 
-Jaccard is measured exactly on the sets of word 5-grams that MinHash hashes: datatrove's simplified text
-split into words (`datapipe.dedup.minhash.words_of`: jieba's words for Chinese, SudachiPy's for Japanese,
-FineWeb-2's word units). Each base document gets one variant made by word edits (substitutions with words
+Jaccard is measured exactly on sets of word 5-grams of datatrove's simplified text (`simplify_text`),
+the words found without datapipe's code: jieba's (rjieba) for a whitespace chunk with Han characters,
+SudachiPy's (mode A) for Japanese text, the chunk itself otherwise (FineWeb-2's word units). Each base document gets one variant made by word edits (substitutions with words
 of other documents of its language, insertions, deletions; scattered or clustered) until the Jaccard of
 the pair reaches a target drawn uniformly from [0.5, 0.97]; the variant's text is its words joined as the
 language writes them (no spaces in Chinese and Japanese), so the segmenter sees it afresh.
@@ -21,9 +21,31 @@ _NORM = TextNormConfig()
 
 
 def words(text: str, lang: str) -> list[str]:
-    from datapipe.dedup.minhash import simplify, words_of
+    import re
 
-    return words_of(simplify(text, _NORM, split=True), lang)
+    import rjieba
+    from datatrove.utils.text import simplify_text
+
+    out = []
+    for chunk in simplify_text(text, _NORM).split():
+        if not re.search(r"[\u3040-\u30ff\u3400-\u9fff]", chunk):
+            out.append(chunk)
+        elif lang == "ja":
+            out += [m.surface() for m in _sudachi().tokenize(chunk)]
+        else:
+            out += rjieba.cut(chunk)
+    return [w for w in out if w.strip()]
+
+
+_SUDACHI = []
+
+
+def _sudachi():
+    if not _SUDACHI:
+        from sudachipy import Dictionary, SplitMode
+
+        _SUDACHI.append(Dictionary(dict="core").tokenizer(mode=SplitMode.A))
+    return _SUDACHI[0]
 
 
 def shingles(text: str, lang: str, n: int = 5) -> frozenset[str]:
@@ -36,7 +58,22 @@ def jaccard(a: frozenset, b: frozenset) -> float:
 
 
 def _join(tokens: list[str], lang: str) -> str:
-    return ("" if lang in ("zh", "ja") else " ").join(tokens)
+    """Words as the language writes them: Chinese and Japanese words abut, other words (Latin ones in a
+    Chinese text too) are separated by a space."""
+    if lang not in ("zh", "ja"):
+        return " ".join(tokens)
+    out = ""
+    for t in tokens:
+        if out and not (_wide(out[-1]) and _wide(t[0])):
+            out += " "
+        out += t
+    return out
+
+
+def _wide(c: str) -> bool:
+    import unicodedata
+
+    return unicodedata.east_asian_width(c) in ("W", "F")
 
 
 def make_variant(rng: random.Random, text: str, lang: str, target: float, vocab: list[str]) -> tuple[str, float]:
