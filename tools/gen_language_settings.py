@@ -35,13 +35,13 @@ FINEWEB2 = {"fr": "fra_Latn", "es": "spa_Latn", "de": "deu_Latn", "it": "ita_Lat
 # words (more words per sentence), so FineWeb's 30-character short line and FineWeb-2's lower
 # alphabetic-word ratios kept far more of the same content than English keeps.
 ADJUST: dict[str, dict[str, dict]] = {
-    "fr": {"gopher_quality": {"max_non_alpha_words_ratio": 0.83}},
-    "de": {"gopher_quality": {"max_non_alpha_words_ratio": 0.77}, "fineweb": {"line_punct_thr": 0.07}},
-    "es": {"gopher_quality": {"max_non_alpha_words_ratio": 0.83}, "fineweb": {"line_punct_thr": 0.12}},
-    "it": {"gopher_quality": {"max_non_alpha_words_ratio": 0.84}, "fineweb": {"line_punct_thr": 0.12}},
-    "pt": {"gopher_quality": {"max_non_alpha_words_ratio": 0.82}},
-    "ja": {"gopher_quality": {"max_non_alpha_words_ratio": 0.84, "min_doc_words": 55}, "fineweb": {"short_line_length": 14}},
-    "zh": {"gopher_quality": {"max_non_alpha_words_ratio": 0.81}, "fineweb": {"short_line_length": 10}},
+    "fr": {"gopher_quality": {"max_non_alpha_words_ratio": 0.82}},
+    "de": {"gopher_quality": {"max_non_alpha_words_ratio": 0.76}, "fineweb": {"line_punct_thr": 0.03}},
+    "es": {"gopher_quality": {"max_non_alpha_words_ratio": 0.82}, "fineweb": {"line_punct_thr": 0.12}},
+    "it": {"gopher_quality": {"max_non_alpha_words_ratio": 0.82}, "fineweb": {"line_punct_thr": 0.12}},
+    "pt": {"gopher_quality": {"max_non_alpha_words_ratio": 0.81}},
+    "ja": {"gopher_quality": {"max_non_alpha_words_ratio": 0.82, "min_doc_words": 60}, "fineweb": {"short_line_length": 14}},
+    "zh": {"gopher_quality": {"max_non_alpha_words_ratio": 0.78}, "fineweb": {"short_line_length": 10}},
 }
 
 

@@ -138,8 +138,9 @@ def test_bad_language_config_is_one_line_naming_key_and_file(tmp_path, yaml_text
         cfgmod.load(BuildConfig, str(path))
     msg = str(e.value)
     assert "\n" not in msg and str(path) in msg and f"key '{key}'" in msg, msg
-    out = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(path)], capture_output=True, text=True)
-    assert out.returncode != 0 and f"key '{key}'" in out.stderr and "Traceback" not in out.stderr
+    if key == "langid.model":  # the command line shows the same line (click's usage error), no traceback
+        out = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(path)], capture_output=True, text=True)
+        assert out.returncode != 0 and f"key '{key}'" in out.stderr and "Traceback" not in out.stderr
 
 
 def _write(path: Path, texts: list[str]) -> str:
@@ -233,3 +234,16 @@ def test_per_language_override_applies(tmp_path):
     assert strict.filter(doc) == (False, "gopher_enough_stop_words")
     en = Document(text=doc.text, id="en", metadata={**doc.metadata, "language": "en", "language_settings": "en"})
     assert strict.filter(en) is not True  # English stop words on French text
+
+
+def test_decontamination_ngrams_in_chinese():
+    """Eval items in Chinese are indexed by words, not clauses: the item below is 3 chunks between
+    punctuation, too short to index without the segmenter, and 20 words with it."""
+    from datapipe.decontaminate import DecontIndex
+
+    idx = DecontIndex(13, 8)
+    item = "启动系统之后，如果你没有安装图形界面，那么你会看到字符登录界面。"
+    idx.add("t", "1", item)
+    assert idx.indexed["t"] == 1
+    assert idx.match("前言部分。" + item[4:] + "后记。")[:2] == ("t", "1")
+    assert idx.match("完全不同的一段中文文本，讲的是别的事情，和上面的句子没有关系。") is None

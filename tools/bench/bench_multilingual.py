@@ -7,6 +7,7 @@
 - langid: accuracy per language on held-out paragraphs (Debian FAQ, New Maintainers' Guide) and speed,
   for the default model (lid.176.ftz, first 1000 characters) and the other candidates that are installed
   (py3langid, pycld2, lingua), beside the published figure for fastText lid.176;
+- segmenters: our word split vs datatrove's cmn_Hani / jpn_Jpan tokenizers on the same paragraphs (MB/s);
 - neardup: a near-duplicate set from Chinese and Japanese man pages and English Reference paragraphs
   (tools/bench/neardup_cjk.py), our dedup stages (the build's: signatures with the segmenters, buckets,
   verify, clusters) vs datatrove's four MinHash stages run per language as FineWeb-2 does
@@ -110,6 +111,27 @@ def bench_langid() -> dict:
         out["methods"][name] = {"accuracy": acc, "mb_s": mb / dt, "ms_per_3kb_doc": dt / len(en_docs) * 1000
                                 * 3000 / (mb * 1e6 / len(en_docs))}
         print(f"langid {name}: {json.dumps({k: round(v, 3) for k, v in acc.items()})} {mb / dt:.2f} MB/s", flush=True)
+    return out
+
+
+def bench_segmenters() -> dict:
+    """MB/s of our word split and of datatrove's (FineWeb-2's codes) on Chinese and Japanese man pages."""
+    from datatrove.utils.word_tokenizers import load_word_tokenizer
+
+    from datapipe.wordtok import tokenize_words
+
+    out = {}
+    for lang, code in (("zh", "cmn_Hani"), ("ja", "jpn_Jpan")):
+        docs = man_paragraphs(lang, 150)[:800]
+        mb = sum(len(d.encode()) for d in docs) / 1e6
+        dt_tok = load_word_tokenizer(code)
+        for name, f in (("ours", lambda t, lg=lang: tokenize_words(t, lg)), (f"datatrove {code}", dt_tok.word_tokenize)):
+            f(docs[0])  # loads dictionaries
+            t0 = time.perf_counter()
+            for d in docs:
+                f(d + " ")  # not a memo hit
+            out.setdefault(lang, {})[name] = mb / (time.perf_counter() - t0)
+        print(f"segmenters {lang}: " + ", ".join(f"{k} {v:.2f} MB/s" for k, v in out[lang].items()), flush=True)
     return out
 
 
@@ -299,6 +321,12 @@ def write_section(r: dict, args) -> None:
         lines.append("| speed, MB/s on English sections | " + " | ".join(f"{li['methods'][m]['mb_s']:.2f}" for m in names)
                      + " | |")
         lines.append("")
+    if "segmenters" in r:
+        sg = r["segmenters"]
+        lines += ["**Word split** of Chinese and Japanese man-page paragraphs (800 each), MB/s: "
+                  + "; ".join(f"{lg}: " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()) for lg, d in sg.items())
+                  + " (ours: rjieba / SudachiPy with the surface field only; datatrove: spaCy with jieba / SudachiPy).",
+                  ""]
     if "neardup" in r:
         nd = r["neardup"]
         lines += [f"**Near-dedup**, {sum(nd['docs'].values()):,} documents ("
@@ -339,7 +367,7 @@ def write_section(r: dict, args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="filters,langid,neardup,english")
+    ap.add_argument("--only", default="filters,langid,segmenters,neardup,english")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--pairs", type=int, default=320, help="injected pairs per language")
     ap.add_argument("--no-write", action="store_true")
@@ -352,6 +380,8 @@ def main() -> int:
             print(lang, {m: round(r["filters"][m][lang]["kept"], 3) for m in ("before", "after")}, flush=True)
     if "langid" in parts:
         r["langid"] = bench_langid()
+    if "segmenters" in parts:
+        r["segmenters"] = bench_segmenters()
     if "neardup" in parts:
         r["neardup"] = bench_neardup(args.runs, args.pairs)
     if "english" in parts:
