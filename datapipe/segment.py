@@ -70,6 +70,11 @@ def _sudachi():
     return Dictionary(dict="core").tokenizer(mode=SplitMode.A, fields={"surface"})
 
 
+def japanese_words(text: str) -> list[str]:
+    """SudachiPy's words (mode A) of a whole text, whitespace dropped."""
+    return [w for w in _japanese(text) if w.strip()]
+
+
 def _japanese(chunk: str) -> list[str]:
     # SudachiPy refuses inputs over 49,149 bytes: split long chunks at sentence ends
     out: list[str] = []

@@ -27,7 +27,7 @@ from datatrove.utils.typeshelper import StatHints
 
 from datapipe.config import MinhashSettings
 from datapipe.dedup.verify import SketchWriter
-from datapipe.segment import has_no_space_script, segment
+from datapipe.segment import has_no_space_script, japanese_words, segment
 from datapipe.wordtok import _EXC, tokenize_words
 
 _MERSENNE = np.uint64((1 << 61) - 1)
@@ -76,7 +76,8 @@ def words_of(chunks: list[str], language: str | None = None) -> list[str]:
     which splits each whitespace chunk on its own: here each distinct chunk is tokenized once per process
     (a plain ASCII word, which it keeps whole, without a call), so a document costs a few set operations,
     plus a join and split if one of its chunks splits. Chunks in a script without spaces (never
-    remembered: their words depend on the language, and they are long) are segmented per document."""
+    remembered: their words depend on the language, and they are long) are segmented per document; a
+    Japanese document's whole text goes to SudachiPy."""
     distinct = set(chunks)
     new = distinct.difference(_WORDS)
     if new:
@@ -101,6 +102,8 @@ def words_of(chunks: list[str], language: str | None = None) -> list[str]:
         return chunks
     if distinct.isdisjoint(_NO_SPACE):
         return " ".join(map(_WORDS.__getitem__, chunks)).split()
+    if language == "ja":  # SudachiPy reads the whole text, as datatrove's jpn_Jpan does (2x fewer seconds)
+        return japanese_words(" ".join(chunks))
     out: list[str] = []
     for c in chunks:
         out += segment(c, language) if c in _NO_SPACE else _WORDS[c].split()

@@ -2,8 +2,9 @@
 used by tools/bench/bench_multilingual.py and tests/datapipe/test_datapipe_multilingual.py.
 
 Jaccard is measured exactly on sets of word 5-grams of datatrove's simplified text (`simplify_text`),
-the words found without datapipe's code: jieba's (rjieba) for a whitespace chunk with Han characters,
-SudachiPy's (mode A) for Japanese text, the chunk itself otherwise (FineWeb-2's word units). Each base document gets one variant made by word edits (substitutions with words
+the words found without datapipe's code: SudachiPy's (mode A) for a Japanese text, as datatrove's
+jpn_Jpan; otherwise jieba's (rjieba) for a whitespace chunk with Han characters, the chunk itself for
+the others (FineWeb-2's word units). Each base document gets one variant made by word edits (substitutions with words
 of other documents of its language, insertions, deletions; scattered or clustered) until the Jaccard of
 the pair reaches a target drawn uniformly from [0.5, 0.97]; the variant's text is its words joined as the
 language writes them (no spaces in Chinese and Japanese), so the segmenter sees it afresh.
@@ -26,6 +27,8 @@ def words(text: str, lang: str) -> list[str]:
     import rjieba
     from datatrove.utils.text import simplify_text
 
+    if lang == "ja":
+        return [m.surface() for m in _sudachi().tokenize(simplify_text(text, _NORM)) if m.surface().strip()]
     out = []
     for chunk in simplify_text(text, _NORM).split():
         if not re.search(r"[\u3040-\u30ff\u3400-\u9fff]", chunk):
