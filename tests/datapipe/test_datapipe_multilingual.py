@@ -73,7 +73,7 @@ def test_language_id_on_heldout_paragraphs():
 
 
 def test_parallel_text_kept_shares_follow_english():
-    """The same 48 Debian Reference sections in eight languages through the default chain: judged as
+    """The same 40 Debian Reference sections in eight languages through the default chain: judged as
     English (the build before language ID) Chinese and German lose nearly everything; with language ID and
     per-language settings each language keeps within 0.1 of English's share on this sample (0.05 on the
     benchmark's 200+ sections, docs/benchmarks.md)."""
@@ -177,7 +177,7 @@ def test_language_counts_rejects_and_report(multilingual_build, capsys):
     m = read_manifest(cfg.output)
     st = m.sources["mixed"].stats
     assert st["dropped_langid"] == st["dropped_langid:language_not_listed"] + st.get("dropped_langid:low_language_score", 0)
-    assert st["language:fr"] >= 30 and st["language:zh"] >= 40 and st["language:de"] >= 40
+    assert st["language:fr"] >= 25 and st["language:zh"] >= 35 and st["language:de"] >= 35
     assert "kept_language:de" not in st and st["kept_language:zh"] > 0 and st["kept_language:fr"] > 0
     ja = m.sources["ja"].stats
     assert ja["language:ja"] == ja["read"] and ja["dropped_langid"] == 0 and m.sources["ja"].documents > 0
@@ -224,9 +224,12 @@ def test_mix_weight_on_an_empty_source_is_refused(tmp_path, small_tokenizer):
 
 def test_per_language_override_applies(tmp_path):
     """`language_filters.fr.gopher_quality.min_stop_words` changes French documents only."""
-    fr = next(r for r in rows("parallel") if r["language"] == "fr" and len(r["text"]) > 1500)
-    doc = Document(text=fr["text"], id="fr")
-    IdentifyLanguage(LangIdConfig(), SourceConfig("s", ["-"])).filter(doc)
+    lid = IdentifyLanguage(LangIdConfig(), SourceConfig("s", ["-"]))
+    for r in rows("parallel"):
+        doc = Document(text=r["text"], id="fr")
+        lid.filter(doc)
+        if r["language"] == "fr" and len(r["text"]) > 1500 and doc.metadata["language_settings"] == "fr":
+            break
     assert doc.metadata["language"] == "fr"
     spec = FilterSpec("gopher_quality", {"max_non_alpha_words_ratio": 0.1})
     assert PerLanguage(spec, "fast", {}).filter(doc) is True

@@ -14,8 +14,12 @@ nearest the language's own):
 - fineweb.short_line_length (short_line_ratio): a line of Chinese or Japanese says in 30 characters what
   an English one says in ~80;
 - fineweb.line_punct_thr (line_punct_ratio) and fineweb.char_duplicates_ratio (char_dup_ratio).
+Then one last step on the share of sections kept, which the reasons above leave off when other rules
+(repetition, C4) drop different numbers per language: if it is more than 0.02 from English's,
+gopher_quality.max_non_alpha_words_ratio (the rule that drops the most) moves to the candidate that brings
+it closest. `--final-only` runs that step alone, from the shipped files.
 
-    python tools/bench/calibrate_languages.py
+    python tools/bench/calibrate_languages.py [--final-only]
 """
 from __future__ import annotations
 
@@ -115,13 +119,42 @@ def calibrate(docs: dict[str, list]) -> dict[str, dict[str, dict]]:
                 over.setdefault(ftype, {})[param] = best[1]
             print(f"{lang} {ftype}.{param}: {own} -> {best[1]} (drops {best[2]:.3f}, English {target:.3f})", flush=True)
         adjust[lang] = over
+    return final_step(docs, adjust)
+
+
+def final_step(docs: dict[str, list], adjust: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+    from datapipe.langsettings import filter_params
+
+    def kept(lang: str, over: dict) -> float:
+        return sum(r is None for r in drop_reasons(docs[lang], {lang: over} if over else {})) / len(docs[lang])
+
+    target = kept("en", {})
+    for lang in LANGS:
+        if lang == "en":
+            continue
+        over = adjust.setdefault(lang, {})
+        now = kept(lang, over)
+        if abs(now - target) <= 0.02:
+            print(f"{lang} kept {now:.3f}, English {target:.3f}: no change", flush=True)
+            continue
+        own = over.get("gopher_quality", {}).get("max_non_alpha_words_ratio",
+                                                  filter_params(lang, "gopher_quality", {}, {})["max_non_alpha_words_ratio"])
+        best = None
+        for v in [x / 100 for x in range(70, 96)]:
+            got = kept(lang, {**over, "gopher_quality": {**over.get("gopher_quality", {}), "max_non_alpha_words_ratio": v}})
+            key = (round(abs(got - target), 4), abs(v - own))
+            if best is None or key < best[0]:
+                best = (key, v, got)
+        over.setdefault("gopher_quality", {})["max_non_alpha_words_ratio"] = best[1]
+        print(f"{lang} kept {now:.3f} -> {best[2]:.3f} (English {target:.3f}): max_non_alpha_words_ratio {own} -> "
+              f"{best[1]}", flush=True)
     return adjust
 
 
 def main() -> int:
     docs = parallel_docs(half=True)
     print(f"calibration half: {len(docs['en'])} sections per language")
-    adjust = calibrate(docs)
+    adjust = final_step(docs, {}) if "--final-only" in sys.argv else calibrate(docs)
     print("ADJUST = " + repr(adjust))
     return 0
 
