@@ -61,7 +61,9 @@ class FastTextLID:
 
     @property
     def languages(self) -> set[str]:
-        return {self._label(lab)[0] for lab in self.model.get_labels()}
+        """Every language the model can answer (fasttext-predict lists labels only through a prediction)."""
+        labels, _ = self.model.predict("a", k=-1, threshold=0.0)
+        return {self._label(lab)[0] for lab in labels}
 
 
 _MODELS: dict[str, FastTextLID] = {}

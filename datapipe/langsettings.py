@@ -96,8 +96,9 @@ def _iso_tables() -> tuple[dict[str, str], frozenset[str]]:
         for row in csv.DictReader(f):
             c3, c1 = row["code_3"], row["code_1"]
             known.update(x for x in (c3, c1, f"{c3}_{row['script']}") if x)
-            if c1 and (c3 not in to1 or row["default_code_1"] == "TRUE"):
+            if c1 and row["default_code_1"] == "TRUE":  # the language the 639-1 code names (cmn for zh, not yue)
                 to1[c3] = c1
+    to1.setdefault("zho", "zh")  # the macrolanguage's own code
     return to1, frozenset(known)
 
 

@@ -51,6 +51,7 @@ from datapipe.dedup.minhash import FastMinhashSignature, minhash_config
 from datapipe.dedup.verify import MinhashVerify
 from datapipe.filters import check_specs
 from datapipe.langid import load_model
+from datapipe.langsettings import canonical
 from datapipe.normalize import Normalize
 from datapipe.shardout import ShardOut, WriteValidation, source_infos, task_info_path
 from datapipe.sources import SourceReader, check_fields, expand_sources
@@ -58,6 +59,7 @@ from datapipe.steps import CountsDump, PerSourceFilters, PrepareTokenizer
 from datapipe.tokenize import TokenizeStep, check_special_tokens, load_tokenizer, tokenizer_info
 from datapipe.workfiles import load_npy, read_json
 from storage import config as cfgmod
+from storage.config import ConfigError
 from storage.fs import atomic_write_bytes
 from storage.manifest import Manifest, SourceInfo, read_manifest, write_manifest
 
@@ -104,7 +106,12 @@ class Build:
             check_specs(cfg.filters_for(s), f"sources.{i}.filters" if s.filters is not None else "default_filters")
         check_fields(self.files, self.srcmap)
         if cfg.langid.enabled and any(not s.language for s in cfg.sources):
-            load_model(cfg.langid)  # a missing or unreadable model fails here, before any stage
+            known = load_model(cfg.langid).languages  # a missing or unreadable model fails here, before any stage
+            for i, s in enumerate(cfg.sources):
+                for j, code in enumerate(s.languages or []):
+                    if canonical(code) not in known and not s.language:
+                        raise ConfigError(f"key 'sources.{i}.languages.{j}': the language model "
+                                          f"{cfg.langid.model or 'lid.176.ftz'} never answers {code!r}")
         self.chat_template = load_template(cfg.chat_template) if cfg.chat_template else None
         if cfg.tokenizer.path and not os.path.isfile(cfg.tokenizer.path):
             try:  # a missing local file fails here, not in the tokenizer stage after the scan

@@ -250,3 +250,25 @@ def test_decontamination_ngrams_in_chinese():
     assert idx.indexed["t"] == 1
     assert idx.match("前言部分。" + item[4:] + "后记。")[:2] == ("t", "1")
     assert idx.match("完全不同的一段中文文本，讲的是别的事情，和上面的句子没有关系。") is None
+
+
+def test_model_labels_and_codes():
+    """GlotLID's labels give language and script, lid.176's the language; ISO 639-3 codes map to 639-1."""
+    from datapipe.config import LangIdConfig
+    from datapipe.langid import load_model
+    from datapipe.langsettings import canonical, route
+
+    model = load_model(LangIdConfig())
+    assert model._label("__label__cmn_Hani") == ("zh", "Hani") and model._label("__label__fra_Latn") == ("fr", "Latn")
+    assert model._label("__label__de") == ("de", None) and model._label("__label__yue") == ("yue", None)
+    assert {"en", "fr", "de", "es", "it", "pt", "zh", "ja"} <= model.languages
+    assert [canonical(c) for c in ("eng", "cmn", "zho", "jpn", "fr")] == ["en", "zh", "zh", "ja", "fr"]
+    # settings: a confident French document is judged as French, an unsure one with the fallback
+    assert route("fr", "Latn", 0.95) == "fr" and route("fr", "Latn", 0.5) == "default"
+    assert route("nl", "Latn", 0.99) == "default" and route("nl", "Latn", 0.99, ("nl",)) == "nl"
+    assert route("yue", "Hani", 0.9) == "zh" and route("en", "Latn", 0.1) == "en"
+    # a code datatrove's table knows but the model never answers: refused before any stage, naming the key
+    cfg = BuildConfig(output="/tmp/unused", sources=[SourceConfig("s", [str(DATA / "heldout.jsonl.gz")],
+                                                                  languages=["fr", "aai"])])
+    with pytest.raises(ConfigError, match=r"key 'sources.0.languages.1': the language model lid.176.ftz never answers 'aai'"):
+        Build(cfg)
