@@ -298,8 +298,8 @@ def write_section(r: dict, args) -> None:
         n = f["after"]["en"]["docs"]
         lines += [f"**Filters on parallel text** (Debian Reference, the {n} test-half sections present in all eight "
                   "languages; the default chain). Kept share and documents dropped by each filter; before: every "
-                  "document judged as English (the build before this change); after: language ID, per-language "
-                  "settings and word split.", "",
+                  "document judged with English's settings, as by the build before this change (but with Chinese "
+                  "and Japanese words segmented in both columns); after: language ID and per-language settings.", "",
                   "| language | kept before | kept after | after - English | " + " | ".join(
                       f"{x} before / after" for x in FILTERS) + " | identified as |",
                   "|---|---|---|---|" + "---|" * len(FILTERS) + "---|"]
