@@ -161,10 +161,9 @@ def test_english_output_identical_to_before_language_id(built):
             for line in f:
                 d = json.loads(line)
                 ids.append((p.parent.name, d["id"]))
-                if p.parent.name not in ("exact_dup", "near_dup"):  # written by the scan stage's chain
-                    assert d["metadata"]["language"] and "language_score" in d["metadata"], d["id"]
-                    if d["metadata"]["language"] != "en":
-                        continue
+                assert d["metadata"]["language"] and "language_score" in d["metadata"], d["id"]
+                if p.parent.name not in ("exact_dup", "near_dup") and d["metadata"]["language"] != "en":
+                    continue
                 english.append((p.parent.name, d["id"], d["metadata"].get("filter_reason")))
     m = read_manifest(cfg.output)
     assert m.build_stats["language:en"] > 0.95 * m.build_stats["read"] and m.build_stats["dropped_langid"] == 0
