@@ -164,7 +164,10 @@ def word_tokenizer(kind: str, language: str = "en"):
     datatrove's (spaCy's "en")."""
     if kind == "fast":
         return FastWordTokenizer(language)
-    return _DATATROVE_CODES.get(language, language)
+    from datatrove.utils.word_tokenizers import load_tokenizer_assignments
+
+    code = _DATATROVE_CODES.get(language, language)
+    return code if code in load_tokenizer_assignments() else "en"  # a code datatrove has no tokenizer for
 
 
 def split_language(language: str | None, script: str | None) -> str:
