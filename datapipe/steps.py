@@ -27,7 +27,8 @@ def stats_of(step: PipelineStep) -> dict[str, int]:
 
 
 class PerSourceFilters(PipelineStep):
-    """Identifies each document's language (unless `langid.enabled` is false), then applies the filter
+    """Identifies each document's language (unless `langid.enabled` is false and the source declares
+    none), then applies the filter
     chain configured for the source of this task's file, each filter with the settings of the document's
     language; records drops per filter, and documents per language before (`language:<code>`) and after
     (`kept_language:<code>`) the chain."""
@@ -45,7 +46,7 @@ class PerSourceFilters(PipelineStep):
         specs = cfg.filters_for(src)
         labelled = [(filter_label(spec, i), chain_filter(spec, cfg.word_tokenizer, cfg.language_filters, self.rejects, i))
                     for i, spec in enumerate(specs)]
-        if cfg.langid.enabled:
+        if cfg.langid.enabled or src.language:  # a declared language needs no model
             writer = JsonlWriter(os.path.join(self.rejects, "langid"), output_filename="${rank}.jsonl.gz")
             labelled.insert(0, ("langid", IdentifyLanguage(cfg.langid, src, writer, tuple(cfg.language_filters))))
         for _, flt in labelled:
