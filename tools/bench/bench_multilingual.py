@@ -13,6 +13,7 @@
   verify, clusters) vs datatrove's four MinHash stages run per language as FineWeb-2 does
   (`MinhashDedupSignature(language="cmn_Hani" / "jpn_Jpan")`, spaCy with jieba / SudachiPy): recall per
   Jaccard range, precision, traps merged, wall time per language (median of --runs alternating runs);
+- langid_step: CPU time of the language-ID step alone on those corpora (600 and 1000 characters);
 - english: `datapipe build` of an English corpus (../shared/corpora) with `langid.enabled` true vs false,
   one worker, alternating runs: wall time per core.
 
@@ -248,6 +249,34 @@ def bench_neardup(runs: int, pairs: int) -> dict:
     return report
 
 
+def bench_langid_step(runs: int) -> dict:
+    """CPU seconds of the language-ID step alone (`IdentifyLanguage.run`, as the scan stage runs it) on the
+    English corpora of bench_english, for the default 600 characters and for 1000, alternating."""
+    import gzip
+
+    from datatrove.data import Document
+
+    from datapipe.config import LangIdConfig, SourceConfig
+    from datapipe.langid import IdentifyLanguage
+
+    docs = []
+    for name in ("pydoc", "shakespeare", "fortunes"):
+        with gzip.open(CORPORA / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+            docs += [json.loads(x)["text"] for x in f]
+    out: dict[int, list[float]] = {600: [], 1000: []}
+    for _ in range(runs):
+        for n in out:
+            lid = IdentifyLanguage(LangIdConfig(max_chars=n), SourceConfig("s", ["-"]))
+            c0 = time.process_time()
+            for _ in lid.run(iter([Document(text=t, id="x") for t in docs])):
+                pass
+            out[n].append(time.process_time() - c0)
+    res = {"docs": len(docs), "mb": sum(len(t.encode()) for t in docs) / 1e6,
+           "cpu": {n: statistics.median(v) for n, v in out.items()}}
+    print(f"langid step: {json.dumps(res)}", flush=True)
+    return res
+
+
 def bench_english(runs: int) -> dict:
     import gzip
     import shutil
@@ -366,6 +395,12 @@ def write_section(r: dict, args) -> None:
                   f"{', '.join(f'{x:.1f}' for x in e['runs'][False])}; on {', '.join(f'{x:.1f}' for x in e['runs'][True])}; "
                   f"wall s: off {', '.join(f'{x:.1f}' for x in e['wall'][False])}; on "
                   f"{', '.join(f'{x:.1f}' for x in e['wall'][True])}).", ""]
+    if "langid_step" in r:
+        ls = r["langid_step"]
+        lines += [f"**Language-ID step alone** on the same English corpora ({ls['docs']:,} documents, {ls['mb']:.1f} MB; "
+                  "`IdentifyLanguage.run` as the scan stage runs it, medians of alternating runs): "
+                  f"{ls['cpu'][600]:.2f} CPU s reading 600 characters (the default), {ls['cpu'][1000]:.2f} reading "
+                  "1000.", ""]
     path = REPO / "docs" / "benchmarks.md"
     with open(path, "a", encoding="utf-8") as fh:
         fh.write("\n".join(lines))
@@ -391,6 +426,8 @@ def main() -> int:
         r["segmenters"] = bench_segmenters()
     if "neardup" in parts:
         r["neardup"] = bench_neardup(args.runs, args.pairs)
+    if "langid_step" in parts:
+        r["langid_step"] = bench_langid_step(args.runs)
     if "english" in parts:
         r["english"] = bench_english(args.runs)
     print(json.dumps({k: v for k, v in r.items()}, indent=1, default=str)[:20000], flush=True)
