@@ -139,7 +139,8 @@ def mix(cfg, config_path) -> None:
 @click.option("--charts", "charts_dir", default=None, help="Folder for PNG charts (default: DATASET/report).")
 @click.option("--no-charts", is_flag=True)
 def report(dataset, charts_dir, no_charts) -> None:
-    """Print DATASET's build summary (docs per stage, drops per filter, tokens per source) and draw charts."""
+    """Print DATASET's build summary (docs per stage, drops per filter, documents per language, tokens per
+    source) and draw charts."""
     from datapipe.report import charts, read_elapsed, summary_lines
     from storage.manifest import read_manifest
 

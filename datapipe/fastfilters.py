@@ -5,7 +5,9 @@
   generator over the word's characters, twice per word; the mean word length is sum / count, as
   `np.mean` computes it for integers; each distinct word is classed once, weighted by its count.
 - `FastC4QualityFilter`: the per-line sentence count (a sentence split of every kept line) stops once the
-  document has `min_num_sentences`, since the count is only compared with that minimum.
+  document has `min_num_sentences`, since the count is only compared with that minimum. A line in a
+  script written without spaces (Chinese, Japanese, Thai) counts its words (punctuation aside) from the
+  word split, not from spaces, where datatrove would see one word per line and drop it.
 Both are used with the fast word tokenizer; tests/datapipe/test_datapipe_wordtok.py compares their
 decisions and rewritten texts with datatrove's classes on the corpora.
 """
@@ -18,6 +20,8 @@ from operator import mul
 from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter
 from datatrove.pipeline.filters.c4_filters import CITATION_REGEX, ELLIPSIS, END_PUNCTUATION, POLICY_SUBSTRINGS
 from datatrove.utils.text import PUNCTUATION_SET, split_into_sentences, split_into_words
+
+from datapipe.segment import NO_SPACE_RE
 
 _MEMO_MAX = 500_000  # words: ~50 MB at most
 _SEEN: set[str] = set()  # words classed so far, and those of them with a non-punctuation character / a letter
@@ -86,6 +90,8 @@ class FastC4QualityFilter(C4QualityFilter):
         for line in lines:
             line = line.strip()
             words = line.split()
+            if not line.isascii() and NO_SPACE_RE.search(line):
+                words = [w for w in split_into_words(line, self.language) if not set(w) <= PUNCTUATION_SET]
             self.stat_update("line-total")
             if self.max_word_length != -1 and max(map(len, words), default=0) > self.max_word_length:
                 self.stat_update("line-filter-too_long_word")

@@ -1,10 +1,13 @@
 """Build datatrove's quality filters (Gopher, C4, FineWeb, language ID, fastText) from config specs.
 
 Each filter gets a datatrove `JsonlWriter` as exclusion writer, so every dropped document lands in
-`rejects/<filter>/` with its reason. English word splitting goes through our `FastWordTokenizer`
-(default) or datatrove's spaCy tokenizer (`word_tokenizer: spacy`); thresholds are datatrove's. With the
-fast tokenizer the Gopher repetition rules run as `FastGopherRepetitionFilter` (integer n-gram ids), and
-the Gopher quality and C4 rules as `datapipe.fastfilters`' classes (same rules and results).
+`rejects/<filter>/` with its reason. Filter i of a source's chain is a `PerLanguage` filter: each
+document is judged by an instance built for its language settings (`datapipe.langsettings.route`, in
+the document's `language_settings` metadata) with that language's word split: our `FastWordTokenizer`
+(default) or datatrove's tokenizer for the language (`word_tokenizer: spacy`: spaCy, with jieba for
+Chinese and SudachiPy for Japanese). With the fast tokenizer the Gopher repetition rules run as
+`FastGopherRepetitionFilter` (integer n-gram ids), and the Gopher quality and C4 rules as
+`datapipe.fastfilters`' classes (same rules and results).
 """
 from __future__ import annotations
 
@@ -26,9 +29,10 @@ from datatrove.pipeline.filters.gopher_repetition_filter import find_duplicates
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 from datatrove.utils.text import split_into_words
 
-from datapipe.config import FilterSpec
+from datapipe.filterspec import FilterSpec
 from datapipe.fastfilters import FastC4QualityFilter, FastGopherQualityFilter
-from datapipe.wordtok import FastWordTokenizer
+from datapipe.langsettings import filter_params
+from datapipe.wordtok import ELIDING, FastWordTokenizer
 from storage.config import ConfigError
 
 _CLASSES: dict[str, type[BaseFilter]] = {
@@ -151,9 +155,58 @@ def _repeated_chars(inv: np.ndarray, lens: np.ndarray, n: int) -> int:
     return repeated
 
 
-def word_tokenizer(kind: str):
-    """The `language` argument handed to datatrove filters: a tokenizer object or spaCy's "en"."""
-    return FastWordTokenizer() if kind == "fast" else "en"
+# datatrove's tokenizer codes where its 639-1 code gives the wrong one (`zh`: spaCy without jieba)
+_DATATROVE_CODES = {"zh": "cmn_Hani", "ja": "jpn_Jpan"}
+
+
+def word_tokenizer(kind: str, language: str = "en"):
+    """The `language` argument handed to datatrove filters: our tokenizer for `language`, or the code of
+    datatrove's (spaCy's "en")."""
+    if kind == "fast":
+        return FastWordTokenizer(language)
+    from datatrove.utils.word_tokenizers import load_tokenizer_assignments
+
+    code = _DATATROVE_CODES.get(language, language)
+    return code if code in load_tokenizer_assignments() else "en"  # a code datatrove has no tokenizer for
+
+
+def split_language(language: str | None, script: str | None) -> str:
+    """The word-split variant for a document: English's rules (exceptions), the eliding languages', the
+    Japanese segmenter for Han, or the generic rules (`xx`)."""
+    if not language or language == "en":
+        return "en"
+    if language == "ja" or script == "Jpan":
+        return "ja"
+    return language if language in ELIDING else "xx"
+
+
+class PerLanguage(BaseFilter):
+    """Filter i of a source's chain: each document is judged by the instance built for its language
+    settings and word split (built on first use), so the rejects and counts stay those of filter i."""
+
+    def __init__(self, spec: FilterSpec, kind: str, overrides: dict, exclusion_writer=None):
+        super().__init__(exclusion_writer)
+        cls = _CLASSES[spec.type]
+        self.name, self.type = cls.name, cls.type
+        self.spec, self.kind, self.overrides = spec, kind, overrides
+        self.inner: dict[tuple[str, str], BaseFilter] = {}
+
+    def filter(self, doc):
+        meta = doc.metadata
+        lang = meta.get("language") or "en"
+        key = (meta.get("language_settings") or "en",
+               split_language(lang, meta.get("script")) if self.kind == "fast" else lang)
+        flt = self.inner.get(key)
+        if flt is None:
+            params = filter_params(key[0], self.spec.type, self.spec.params, self.overrides)
+            flt = self.inner[key] = build_filter(FilterSpec(self.spec.type, params), word_tokenizer(self.kind, key[1]))
+        return flt.filter(doc)
+
+
+def per_language_params() -> dict[str, set[str]]:
+    """Filter types with per-language settings → their parameter names."""
+    return {t: set(inspect.signature(_CLASSES[t].__init__).parameters) - {"self"} - _RESERVED
+            for t in ("gopher_repetition", "gopher_quality", "c4", "fineweb")}
 
 
 def _local_model(spec: FilterSpec, where: str) -> str:
@@ -181,10 +234,18 @@ def check_specs(specs: list[FilterSpec], where: str) -> None:
                                   f"(known: {', '.join(sorted(allowed))})")
 
 
-def build_filter(spec: FilterSpec, tokenizer, rejects_dir: str, index: int) -> BaseFilter:
-    """One configured datatrove filter; its rejects go to `rejects_dir/<index>_<type>/`."""
-    params = dict(spec.params)
+def chain_filter(spec: FilterSpec, kind: str, overrides: dict, rejects_dir: str, index: int) -> BaseFilter:
+    """Filter `index` of a chain; its rejects go to `rejects_dir/<index>_<type>/`. The Gopher, C4 and
+    FineWeb rules judge each document with its language's settings (`PerLanguage`)."""
     writer = JsonlWriter(os.path.join(rejects_dir, f"{index}_{spec.type}"), output_filename="${rank}.jsonl.gz")
+    if spec.type in per_language_params():
+        return PerLanguage(spec, kind, overrides, writer)
+    return build_filter(spec, word_tokenizer(kind), writer)
+
+
+def build_filter(spec: FilterSpec, tokenizer, writer=None) -> BaseFilter:
+    """One datatrove filter with `spec.params` and the word split `tokenizer`."""
+    params = dict(spec.params)
     cls = _CLASSES[spec.type]
     if spec.type == "language":
         model = params.pop("model")

@@ -30,18 +30,20 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.writers.jsonl import JsonlWriter
 
-from datapipe import executors, slurm
+from datapipe import emptycheck, executors, slurm
 from storage.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
-from datapipe.decisions import FilterAndRecord, Select
+from datapipe.decisions import FilterAndRecord, Select, kept_path
 from datapipe.decontaminate import Decontaminate, load_index
 from datapipe.dedup.buckets import FastMinhashBuckets
 from datapipe.dedup.clusters import CCEdges, CCFinish, CCStep, ClusterKeep, near_removals
@@ -50,13 +52,16 @@ from datapipe.dedup.exact import ExactHasher, ExactResolve, exact_removals, writ
 from datapipe.dedup.minhash import FastMinhashSignature, minhash_config
 from datapipe.dedup.verify import MinhashVerify
 from datapipe.filters import check_specs
+from datapipe.langid import load_model
+from datapipe.langsettings import canonical
 from datapipe.normalize import Normalize
 from datapipe.shardout import ShardOut, WriteValidation, source_infos, task_info_path
 from datapipe.sources import SourceReader, check_fields, expand_sources
 from datapipe.steps import CountsDump, PerSourceFilters, PrepareTokenizer
 from datapipe.tokenize import TokenizeStep, check_special_tokens, load_tokenizer, tokenizer_info
-from datapipe.workfiles import read_json
+from datapipe.workfiles import load_npy, read_json
 from storage import config as cfgmod
+from storage.config import ConfigError
 from storage.fs import atomic_write_bytes
 from storage.manifest import Manifest, SourceInfo, read_manifest, write_manifest
 
@@ -102,6 +107,13 @@ class Build:
         for i, s in enumerate(cfg.sources):
             check_specs(cfg.filters_for(s), f"sources.{i}.filters" if s.filters is not None else "default_filters")
         check_fields(self.files, self.srcmap)
+        if cfg.langid.enabled and any(not s.language for s in cfg.sources):
+            known = load_model(cfg.langid).languages  # a missing or unreadable model fails here, before any stage
+            for i, s in enumerate(cfg.sources):
+                for j, code in enumerate(s.languages or []):
+                    if canonical(code) not in known and not s.language:
+                        raise ConfigError(f"key 'sources.{i}.languages.{j}': the language model "
+                                          f"{cfg.langid.model or 'lid.176.ftz'} never answers {code!r}")
         self.chat_template = load_template(cfg.chat_template) if cfg.chat_template else None
         if cfg.tokenizer.path and not os.path.isfile(cfg.tokenizer.path):
             try:  # a missing local file fails here, not in the tokenizer stage after the scan
@@ -114,6 +126,7 @@ class Build:
         if cfg.decontaminate.enabled:
             load_index(cfg.decontaminate)  # a bad task spec or file fails here, before any stage runs
         self._prepare_dirs(fresh)
+        self._empty_after_scan: set[str] = set()
 
     def w(self, *parts: str) -> str:
         return os.path.join(self.work, *parts)
@@ -235,6 +248,24 @@ class Build:
         atomic_write_bytes(os.path.join(self.out, "build_report.json"),
                            json.dumps({"elapsed_s": elapsed}, indent=1).encode())
 
+    def check_empty(self, final: bool) -> list[str]:
+        """After the scan (filters) or before the manifest (dedup, decontamination): sources left with no
+        documents (datapipe.emptycheck). Raises EmptyResultError if the build cannot go on; returns warnings."""
+        if not final:
+            stats = self.source_stats(scan_only=True)
+            warnings = emptycheck.check(self.cfg, {n: st.get("kept", 0) for n, st in stats.items()}, stats,
+                                        "the filters")
+            self._empty_after_scan = {n for n, st in stats.items() if not st.get("kept", 0)}
+            return warnings
+        stats, ranks_of = self.source_stats(), self.ranks_of()
+        left = {}
+        for s in self.cfg.sources:
+            train, val = source_infos(self.work, s.name, ranks_of[s.name], s.kind)
+            left[s.name] = train.documents + val.documents
+        warnings = emptycheck.check(self.cfg, left, stats, "dedup and decontamination")
+        # sources the scan check already reported are not reported again
+        return [w for w in warnings if not any(w.startswith(f"source {n!r}:") for n in self._empty_after_scan)]
+
     def run(self, progress: bool = True) -> BuildResult:
         from tqdm import tqdm
 
@@ -242,6 +273,8 @@ class Build:
         stages = self.stages() + self.final_stages()
         bar = tqdm(total=len(stages), desc="datapipe build", unit="stage", disable=not progress)
         for st in stages:
+            if st.name == "manifest":
+                self._warn(self.check_empty(final=True))
             bar.set_postfix_str(f"{st.name} ({st.tasks} tasks)")
             t0 = time.perf_counter()
             executors.run_stage(self.cfg.executor, st.name, st.pipeline, st.tasks,
@@ -250,11 +283,25 @@ class Build:
             key = st.report_as or st.name
             elapsed[key] = elapsed.get(key, 0.0) + time.perf_counter() - t0
             bar.update(1)
+            if st.name == "scan":
+                self._warn(self.check_empty(final=False))
         bar.close()
         self._write_report(elapsed)
         return BuildResult(read_manifest(self.out), elapsed)
 
-    def source_stats(self) -> dict[str, dict[str, int]]:
+    @staticmethod
+    def log_warning(line: str) -> None:
+        from loguru import logger
+
+        logger.warning(line)
+
+    @staticmethod
+    def _warn(lines: list[str]) -> None:
+        for line in lines:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+
+    def source_stats(self, scan_only: bool = False) -> dict[str, dict[str, int]]:
+        """Counts per source: read, dropped per filter, languages; unless `scan_only`, dedup too."""
         out: dict[str, dict[str, int]] = {}
 
         def add(st: dict[str, int], k: str, v: int) -> None:
@@ -270,7 +317,10 @@ class Build:
                     add(st, k, v)
             add(st, "dropped_normalize", read["normalize"].get("dropped", 0))
             for k, v in read_json(self.w("counts", "filters", f"{r:05d}.json")).items():
-                add(st, f"dropped_{k}", v)
+                add(st, k if "language:" in k else f"dropped_{k}", v)
+            if scan_only:
+                add(st, "kept", len(load_npy(kept_path(self.work, r), np.uint32)))
+                continue
             parts = self.cfg.dedup.exact_parts if self.cfg.dedup.exact else 0
             add(st, "exact_duplicates", len(exact_removals(self.w("exact"), r, parts)))
             add(st, "near_duplicates", len(near_removals(self.w("minhash", "remove"), r)))
@@ -345,6 +395,9 @@ class ManifestStep(PipelineStep):
         self.build = build
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
+        if self.build.cfg.executor.kind != "local":  # Slurm and Ray: the driver did not check
+            for line in self.build.check_empty(final=True):
+                self.build.log_warning(line)
         self.build.write_manifest()
 
 
@@ -358,5 +411,10 @@ def rewrite_mix(dataset: str, mix_cfg) -> Manifest:
     """`datapipe mix`: replace the mix schedule of an existing dataset (validated), nothing else."""
     m = read_manifest(dataset)
     m.mix = mix_cfg.resolve({n: s.tokens for n, s in m.sources.items()})
+    for i, ph in enumerate(m.mix):
+        for n, w in ph.weights.items():
+            if w > 0 and n in m.sources and m.sources[n].tokens == 0:
+                raise cfgmod.ConfigError(f"key 'mix.phases.{i}.weights.{n}': source {n!r} has no documents in "
+                                         f"{dataset} (see `datapipe report {dataset}`)")
     write_manifest(dataset, m)
     return m

@@ -36,6 +36,7 @@ def summary_lines(m: Manifest, elapsed: dict[str, float] | None = None) -> list[
             lines.append(f"prompts {name}: {st.get('documents', 0):,} training + {st.get('validation_documents', 0):,} "
                          f"held out, {st.get('with_answer', 0):,} with an answer; rejected: "
                          + ", ".join(f"{k}={v:,}" for k, v in rej.items()))
+    lines += language_lines(m)
     by_task = m.build_stats.get("decontaminated_by_task") or {}
     if by_task:
         lines.append("decontaminated per task: " + ", ".join(f"{k}={v:,}" for k, v in by_task.items()))
@@ -46,6 +47,22 @@ def summary_lines(m: Manifest, elapsed: dict[str, float] | None = None) -> list[
         lines.append("elapsed: " + ", ".join(f"{k} {v:.1f}s" for k, v in elapsed.items())
                      + f"; total {sum(elapsed.values()):.1f}s")
     return lines
+
+
+def language_lines(m: Manifest) -> list[str]:
+    """Per source: documents per identified language, read → kept by the filters (share kept)."""
+    out = []
+    for name, s in m.sources.items():
+        read = {k[len("language:"):]: v for k, v in s.stats.items() if k.startswith("language:")}
+        if not read:
+            continue
+        kept = {k[len("kept_language:"):]: v for k, v in s.stats.items() if k.startswith("kept_language:")}
+        parts = [f"{lang} {n:,} → {kept.get(lang, 0):,} ({kept.get(lang, 0) / n:.0%})"
+                 for lang, n in sorted(read.items(), key=lambda kv: (-kv[1], kv[0]))[:12]]
+        more = len(read) - 12
+        out.append(f"languages of {name} (read → kept by the filters): " + ", ".join(parts)
+                   + (f", {more} more" if more > 0 else ""))
+    return out
 
 
 def read_elapsed(dataset: str) -> dict[str, float] | None:

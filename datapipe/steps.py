@@ -10,10 +10,12 @@ import os
 
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from storage.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
-from datapipe.filters import build_filter, filter_label, word_tokenizer
+from datapipe.filters import chain_filter, filter_label
+from datapipe.langid import IdentifyLanguage
 from datapipe.sources import InputFile
 from datapipe.tokenize import check_special_tokens, load_tokenizer, train_bpe
 from datapipe.workfiles import atomic_json
@@ -25,7 +27,11 @@ def stats_of(step: PipelineStep) -> dict[str, int]:
 
 
 class PerSourceFilters(PipelineStep):
-    """Applies the filter chain configured for the source of this task's file; records drops per filter."""
+    """Identifies each document's language (unless `langid.enabled` is false and the source declares
+    none), then applies the filter
+    chain configured for the source of this task's file, each filter with the settings of the document's
+    language; records drops per filter, and documents per language before (`language:<code>`) and after
+    (`kept_language:<code>`) the chain."""
 
     name = "🔻 quality filters"
     type = "🔻 - FILTER"
@@ -35,21 +41,32 @@ class PerSourceFilters(PipelineStep):
         self.cfg, self.files, self.rejects, self.counts_dir = cfg, files, rejects, counts_dir
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        src = {s.name: s for s in self.cfg.sources}[self.files[rank].source]
-        tok = word_tokenizer(self.cfg.word_tokenizer)
-        specs = self.cfg.filters_for(src)
-        chain = [build_filter(spec, tok, self.rejects, i) for i, spec in enumerate(specs)]
-        for flt in chain:
+        cfg = self.cfg
+        src = {s.name: s for s in cfg.sources}[self.files[rank].source]
+        specs = cfg.filters_for(src)
+        labelled = [(filter_label(spec, i), chain_filter(spec, cfg.word_tokenizer, cfg.language_filters, self.rejects, i))
+                    for i, spec in enumerate(specs)]
+        if cfg.langid.enabled or src.language:  # a declared language needs no model
+            writer = JsonlWriter(os.path.join(self.rejects, "langid"), output_filename="${rank}.jsonl.gz")
+            labelled.insert(0, ("langid", IdentifyLanguage(cfg.langid, src, writer, tuple(cfg.language_filters))))
+        for _, flt in labelled:
             data = flt.run(data, rank, world_size)
-        yield from data
+        kept: dict[str, int] = {}
+        for doc in data:
+            lang = doc.metadata.get("language")
+            if lang:
+                kept[lang] = kept.get(lang, 0) + 1
+            yield doc
         counts = {}
-        for i, (spec, flt) in enumerate(zip(specs, chain)):
+        for label, flt in labelled:
             st = stats_of(flt)
-            label = filter_label(spec, i)
             counts[label] = st.get("dropped", 0)
             for k, v in st.items():
                 if k.startswith("dropped_"):
                     counts[f"{label}:{k[len('dropped_'):]}"] = v
+                elif k.startswith("language:"):
+                    counts[k] = v
+        counts.update({f"kept_language:{k}": v for k, v in sorted(kept.items())})
         atomic_json(os.path.join(self.counts_dir, f"{rank:05d}.json"), counts)
 
 

@@ -1,11 +1,18 @@
-"""A fast English word/sentence tokenizer that mimics spaCy's blank-English rules for datatrove's filters.
+"""Words and sentences for every language: the one word split used by the filters, the MinHash shingles
+(`datapipe.dedup.minhash.words_of`) and the decontamination n-grams (`datapipe.decontaminate`).
 
 datatrove's Gopher/C4/FineWeb filters call `load_word_tokenizer("en")`, i.e. `spacy.blank("en")` plus a
 sentencizer, once per filter and once per C4 line. `FastWordTokenizer` is a datatrove `WordTokenizer`
 that reproduces spaCy's whitespace split, prefix/suffix/infix rules and the common English
 contraction exceptions with plain regexes, and memoises recent lines so a chain of filters
-tokenizes each line of a document once (C4's rewrite keeps most lines). Its keep decisions are measured against spaCy's by
-`tools/bench/bench_filters.py` (agreement rate reported in docs/benchmarks.md).
+tokenizes each line of a document once (C4's rewrite keeps most lines). Its keep decisions are measured
+against spaCy's by `tools/bench/bench_dedup.py` (agreement rate reported in docs/benchmarks.md).
+
+Other languages (`FastWordTokenizer(language)`) use the same rules without the English exception table;
+French, Italian and Catalan also split an elided article or pronoun off its word (`l'homme` → `l'`,
+`homme`), as spaCy's tokenizers for them do (FineWeb-2's stop-word lists count `l'` and `d'`). In every
+language, a whitespace chunk holding characters of a script written without spaces (Han, kana, Thai, ...)
+is split by that script's segmenter (`datapipe.segment`), so a Chinese sentence is words, not one chunk.
 """
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ from pathlib import Path
 
 import regex
 from datatrove.utils.word_tokenizers import WordTokenizer
+
+from datapipe.segment import has_no_space_script, segment
 
 _QUOTES = "'\"”“`‘´’‚„»«「」『』（）〔〕【】《》〈〉"
 _PUNCT = "…,:;!?¿؟¡()\\[\\]{}<>_#*&。？！，、；：～·।،۔؛٪"
@@ -47,20 +56,16 @@ _EXC: dict[str, list[str]] = json.loads(
 SENT_END = set("!.?։؟۔܀܁܂߹।॥၊။።፧፨᙮᜵᜶᠃᠉᥄᥅᪨᪩᪪᪫᭚᭛᭞᭟᰻᰼᱾᱿‼‽⁇⁈⁉⸮⸼꓿꘎꘏꛳꛷꡶꡷꣎꣏꤯꧈꧉꩝꩞꩟꫰꫱꯫﹒﹖﹗！．？｡。")
 
 
-def _special(s: str) -> list[str] | None:
-    return _EXC.get(s)
-
-
-def _split_chunk(s: str, out: list[str]) -> None:
+def _split_chunk(s: str, out: list[str], exc: dict[str, list[str]] = _EXC) -> None:
     """spaCy's `_split_affixes` + `_attach_tokens` for one whitespace-free chunk, then its special-case
     matcher, which re-merges affix pieces that spell an exception (e.g. `(` `:` → `(:`)."""
     toks: list[str] = []
-    _affix_split(s, toks)
-    if len(toks) > 1:
+    _affix_split(s, toks, exc)
+    if len(toks) > 1 and exc:
         i = 0
         while i < len(toks):
             for j in range(min(len(toks), i + 4), i + 1, -1):
-                sp = _EXC.get("".join(toks[i:j]))
+                sp = exc.get("".join(toks[i:j]))
                 if sp is not None:
                     toks[i:j] = sp
                     i += len(sp) - 1
@@ -69,7 +74,8 @@ def _split_chunk(s: str, out: list[str]) -> None:
     out.extend(toks)
 
 
-def _affix_split(s: str, out: list[str]) -> None:
+def _affix_split(s: str, out: list[str], exc: dict[str, list[str]]) -> None:
+    _special = exc.get
     sp = _special(s)
     if sp is not None:
         out.extend(sp)
@@ -125,50 +131,89 @@ def _affix_split(s: str, out: list[str]) -> None:
     out.extend(reversed(suffixes))
 
 
-_CHUNKS: dict[str, tuple[str, ...]] = {}  # chunk → tokens: a dict lookup beats even the regex fast path
-_CHUNKS_MAX = 200_000
-
-
-_LINES: dict[str, tuple[str, ...]] = {}  # the last documents' lines: filters re-split rewritten texts
-_LINES_MAX = 4096
+_CHUNKS_MAX = 200_000  # chunks remembered per language (<= 64 characters each)
+_LINES_MAX = 4096  # the last documents' lines: filters re-split rewritten texts
 _LINE_CHARS = 2048  # longer lines are not remembered: the memo stays under ~8M characters of keys
+# an elided article or pronoun (French, Italian, Catalan): l'homme, qu'il, dell'anno, d'un
+_ELISION = regex.compile(r"^(\p{L}{1,6}['’])(?=\p{L})")
+ELIDING = ("fr", "it", "ca")
 
 
-def tokenize_words(text: str) -> list[str]:
-    """Tokens of `text`: those of its lines in turn (a chunk never spans a newline), each line's looked up
-    in a memo of recent lines, since the chain splits a document, then its C4-rewritten lines, again."""
-    out: list[str] = []
-    memo = _LINES
-    for line in text.split("\n"):
-        hit = memo.get(line)
-        if hit is None:
-            if len(line) > _LINE_CHARS:
-                out += _tokenize_line(line)
-                continue
-            if len(memo) >= _LINES_MAX:
-                memo.clear()
-            hit = memo[line] = tuple(_tokenize_line(line))
-        out += hit
-    return out
+class _Splitter:
+    """One language's word split with its own memos (chunk → tokens, line → tokens)."""
+
+    def __init__(self, language: str):
+        self.language = language
+        self.exc = _EXC if language == "en" else {}
+        self.elision = language in ELIDING
+        self.chunks: dict[str, tuple[str, ...]] = {}  # a dict lookup beats even the regex fast path
+        self.lines: dict[str, tuple[str, ...]] = {}
+
+    def words(self, text: str) -> list[str]:
+        """Tokens of `text`: those of its lines in turn (a chunk never spans a newline), each line's looked
+        up in a memo of recent lines, since the chain splits a document, then its C4-rewritten lines, again."""
+        out: list[str] = []
+        memo = self.lines
+        for line in text.split("\n"):
+            hit = memo.get(line)
+            if hit is None:
+                if len(line) > _LINE_CHARS:
+                    out += self.line_words(line)
+                    continue
+                if len(memo) >= _LINES_MAX:
+                    memo.clear()
+                hit = memo[line] = tuple(self.line_words(line))
+            out += hit
+        return out
+
+    def line_words(self, text: str) -> list[str]:
+        out: list[str] = []
+        memo = self.chunks
+        get = memo.get
+        for chunk in text.split():
+            hit = get(chunk)
+            if hit is None:
+                hit = self.chunk_words(chunk)
+                if len(chunk) <= 64:  # bounded memory: at most 200k short chunks (URLs and the like are not kept)
+                    if len(memo) >= _CHUNKS_MAX:
+                        memo.clear()
+                    memo[chunk] = hit
+            out += hit
+        return out
+
+    def chunk_words(self, chunk: str) -> tuple[str, ...]:
+        if has_no_space_script(chunk):
+            return tuple(segment(chunk, self.language))
+        if self.elision:
+            m = _ELISION.match(chunk)
+            if m:
+                return (m.group(1), *self.chunk_words(chunk[m.end():]))
+        return _chunk_tokens(chunk, self.exc)
 
 
-def _tokenize_line(text: str) -> list[str]:
-    out: list[str] = []
-    get = _CHUNKS.get
-    for chunk in text.split():
-        hit = get(chunk)
-        if hit is None:
-            hit = _chunk_tokens(chunk)
-            if len(chunk) <= 64:  # bounded memory: at most 200k short chunks (URLs and the like are not kept)
-                if len(_CHUNKS) >= _CHUNKS_MAX:
-                    _CHUNKS.clear()
-                _CHUNKS[chunk] = hit
-        out += hit
-    return out
+_SPLITTERS: dict[str, _Splitter] = {}
 
 
-def _chunk_tokens(chunk: str) -> tuple[str, ...]:
-    in_exc = chunk in _EXC
+def splitter(language: str | None) -> _Splitter:
+    """The word split of `language` (None: English's rules)."""
+    language = language or "en"
+    if language not in _SPLITTERS:
+        _SPLITTERS[language] = _Splitter(language)
+    return _SPLITTERS[language]
+
+
+_ENGLISH = splitter("en")
+_CHUNKS, _LINES = _ENGLISH.chunks, _ENGLISH.lines
+
+
+def tokenize_words(text: str, language: str | None = None) -> list[str]:
+    """Words of `text` in `language` (None: English's rules, which every language shares but for the
+    English exception table and the elisions; scripts without spaces are segmented in all)."""
+    return (_ENGLISH if language is None or language == "en" else splitter(language)).words(text)
+
+
+def _chunk_tokens(chunk: str, exc: dict[str, list[str]] = _EXC) -> tuple[str, ...]:
+    in_exc = chunk in exc
     if _PLAIN.match(chunk):
         if not in_exc:
             return (chunk,)
@@ -177,11 +222,11 @@ def _chunk_tokens(chunk: str) -> tuple[str, ...]:
         if m:
             w, p = m.groups()
             # spaCy splits a final "." only after a lower-case letter or two upper-case ones
-            if w not in _EXC and (p != "." or w[-1].islower() or (len(w) > 1 and w[-1].isupper()
-                                                                 and w[-2].isupper())):
+            if w not in exc and (p != "." or w[-1].islower() or (len(w) > 1 and w[-1].isupper()
+                                                                and w[-2].isupper())):
                 return (w, p)
     pieces: list[str] = []
-    _split_chunk(chunk, pieces)
+    _split_chunk(chunk, pieces, exc)
     return tuple(pieces)
 
 
@@ -190,13 +235,14 @@ def _is_punct(tok: str) -> bool:
 
 
 class FastWordTokenizer(WordTokenizer):
-    """datatrove `WordTokenizer` for English without spaCy; pass it as a filter's `language`."""
+    """datatrove `WordTokenizer` without spaCy for `language` (ISO 639-1 code, default English); pass it
+    as a filter's `language`."""
 
-    def __init__(self):
-        super().__init__("en")
+    def __init__(self, language: str = "en"):
+        super().__init__(language)
 
     def word_tokenize(self, text: str) -> list[str]:
-        return tokenize_words(text)
+        return tokenize_words(text, self.language)
 
     def span_tokenize(self, text: str) -> list[tuple[int, int]]:
         """Sentence spans as spaCy's sentencizer draws them: a sentence ends after a run of
@@ -208,8 +254,10 @@ class FastWordTokenizer(WordTokenizer):
         pos = start = 0
         seen_end = False
         last_end = 0
-        for tok in tokenize_words(text):
+        for tok in tokenize_words(text, self.language):
             i = text.find(tok, pos)
+            if i < 0:  # not a substring (never expected): keep the position
+                continue
             pos = i + len(tok)
             if seen_end and not _is_punct(tok):
                 spans.append((start, last_end))

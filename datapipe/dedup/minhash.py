@@ -4,7 +4,9 @@ priority-aware keeps.
 - `minhash_config` maps our settings (n-grams, bands × rows, hash width) onto datatrove's MinhashConfig.
 - `FastMinhashSignature` is datatrove's `MinhashDedupSignature` with faster shingling and writing:
   `simplify` (datatrove's `simplify_text`, the same output, without its per-character Python loop on
-  ASCII text), our `FastWordTokenizer` split memoised per whitespace chunk instead of spaCy's, xxhash
+  ASCII text), our `FastWordTokenizer` split memoised per whitespace chunk instead of spaCy's (a chunk in
+  a script written without spaces, Chinese or Japanese say, segmented into words by `datapipe.segment`
+  for the document's language, so shingles are word n-grams in every script), xxhash
   called directly on the joined n-grams, the permutations as one transposed numpy product with a
   Mersenne-prime fold instead of `%`, and records written per batch and sorted with `lexsort`. Wherever
   the two word splits agree it writes the same signature files; tests/datapipe/test_datapipe_minhash.py
@@ -25,6 +27,7 @@ from datatrove.utils.typeshelper import StatHints
 
 from datapipe.config import MinhashSettings
 from datapipe.dedup.verify import SketchWriter
+from datapipe.segment import has_no_space_script, japanese_words, segment
 from datapipe.wordtok import _EXC, tokenize_words
 
 _MERSENNE = np.uint64((1 << 61) - 1)
@@ -34,6 +37,7 @@ _MEMO_MAX = 1_000_000  # whitespace chunks remembered by words_of
 _WORDS: dict[str, str] = {}  # chunk → its words joined by spaces (the chunk itself when it is one word)
 _SPLIT: set[str] = set()  # the chunks of _WORDS our tokenizer splits
 _NO_SHINGLES = np.zeros((0, 1), dtype=np.uint64)
+_NO_SPACE: set[str] = set()  # the chunks of _SPLIT in a script without spaces: segmented per language
 
 
 def minhash_config(s: MinhashSettings) -> MinhashConfig:
@@ -68,20 +72,28 @@ def simplify(text: str, norm: TextNormConfig, split: bool = False) -> str | list
     return text.split() if split else text.strip()
 
 
-def words_of(chunks: list[str]) -> list[str]:
-    """`tokenize_words(" ".join(chunks))`, which splits each whitespace chunk on its own: here each
-    distinct chunk is tokenized once per process (a plain ASCII word, which it keeps whole, without a
-    call), so a document costs a few set operations, plus a join and split if one of its chunks splits."""
+def words_of(chunks: list[str], language: str | None = None) -> list[str]:
+    """`tokenize_words(" ".join(chunks), language)` with English's rules outside scripts without spaces,
+    which splits each whitespace chunk on its own: here each distinct chunk is tokenized once per process
+    (a plain ASCII word, which it keeps whole, without a call), so a document costs a few set operations,
+    plus a join and split if one of its chunks splits. Chunks in a script without spaces (never
+    remembered: their words depend on the language, and they are long) are segmented per document; a
+    Japanese document's whole text goes to SudachiPy."""
     distinct = set(chunks)
     new = distinct.difference(_WORDS)
     if new:
         if len(_WORDS) > _MEMO_MAX:
             _WORDS.clear()
             _SPLIT.clear()
+            _NO_SPACE.clear()
             new = distinct
         for c in new:
             if c.isascii() and (c.isalpha() or c.isdigit()) and c not in _EXC:
                 _WORDS[c] = c
+            elif has_no_space_script(c):
+                _WORDS[c] = ""
+                _SPLIT.add(c)
+                _NO_SPACE.add(c)
             else:
                 words = tokenize_words(c)
                 _WORDS[c] = " ".join(words)
@@ -89,7 +101,14 @@ def words_of(chunks: list[str]) -> list[str]:
                     _SPLIT.add(c)
     if distinct.isdisjoint(_SPLIT):
         return chunks
-    return " ".join(map(_WORDS.__getitem__, chunks)).split()
+    if distinct.isdisjoint(_NO_SPACE):
+        return " ".join(map(_WORDS.__getitem__, chunks)).split()
+    if language == "ja":  # SudachiPy reads the whole text, as datatrove's jpn_Jpan does (2x fewer seconds)
+        return japanese_words(" ".join(chunks))
+    out: list[str] = []
+    for c in chunks:
+        out += segment(c, language) if c in _NO_SPACE else _WORDS[c].split()
+    return out
 
 
 class FastMinhashSignature(MinhashDedupSignature):
@@ -110,10 +129,10 @@ class FastMinhashSignature(MinhashDedupSignature):
         else:
             self._hash = self._hash_func
 
-    def get_shingles(self, text: str) -> np.ndarray:
+    def get_shingles(self, text: str, language: str | None = None) -> np.ndarray:
         if self.spacy_words:
             return super().get_shingles(text)
-        words = words_of(simplify(text, self.config.norm_config, split=True))
+        words = words_of(simplify(text, self.config.norm_config, split=True), language)
         n = self.config.n_grams
         count = len(words) - n + 1
         if count <= 0:
@@ -181,7 +200,8 @@ class FastMinhashSignature(MinhashDedupSignature):
                 self.stat_update(StatHints.total)
                 # RL prompts are exempt (as a document without shingles is): short templated questions that
                 # differ in their numbers, which simplify() maps to 0, would all be one cluster
-                shingles = _NO_SHINGLES if doc.metadata.get("kind") == "prompts" else self.get_shingles(doc.text)
+                shingles = _NO_SHINGLES if doc.metadata.get("kind") == "prompts" else \
+                    self.get_shingles(doc.text, doc.metadata.get("language"))
                 if sketches:
                     batch.append(shingles)
                 if shingles.size:

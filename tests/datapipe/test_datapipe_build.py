@@ -131,6 +131,47 @@ def test_license_pairs_near_dedup(built):
     assert {"kept": "lic/licenses/GFDL-1.2", "removed": ["lic/licenses/GFDL-1.3"]} in clusters
 
 
+# Fingerprints of this module's build (`built`) made by main at c9a543d, before language ID and the
+# per-language settings (issue 35): the sha256 over (path, sha256) of every shard, index, tokenizer and
+# dedup cluster list; over the sorted (reject folder, id) of every rejected document; and over the sorted
+# (reject folder, id, reason) that main gave the duplicates and the rejected documents language ID now
+# calls English (551 of 570: the others, fortunes' ASCII art and quotes in other languages, may be
+# rejected for another reason by their language's settings, never kept or moved to another folder).
+ENGLISH_OUTPUT = "c93d1cb374572062234387ac94601b44c96be9b2480d1cce1e2d39c4bebf4c69"
+ENGLISH_REJECT_IDS = ("bf89b161051b66cb04d422dc3f0609e53085c25ae8b6320494aa414f7529922a", 570)
+ENGLISH_REJECT_REASONS = ("ed0a6d5ed4a06f6dd6327c01bf09724ca9467faf0ef0e7fad35bb42dc30e2d03", 551)
+
+
+def test_english_output_identical_to_before_language_id(built):
+    """Language ID is on by default (every document labelled, a few fortunes as fr/de/es...), yet the
+    English corpora build to the same bytes: shards, dedup lists and rejects (metadata aside)."""
+    import hashlib
+
+    cfg, _, _ = built
+    out = Path(cfg.output)
+    h = hashlib.sha256()
+    for p in sorted(out.rglob("*")):
+        rel = p.relative_to(out).as_posix()
+        if p.is_file() and (rel.endswith((".tar", ".idx")) or rel.startswith("dedup/") or rel == "tokenizer.json"):
+            h.update(rel.encode())
+            h.update(hashlib.sha256(p.read_bytes()).digest())
+    ids, english = [], []
+    for p in sorted((out / "rejects").rglob("*.jsonl.gz")):
+        with gzip.open(p, "rt") as f:
+            for line in f:
+                d = json.loads(line)
+                ids.append((p.parent.name, d["id"]))
+                assert d["metadata"]["language"] and "language_score" in d["metadata"], d["id"]
+                if p.parent.name not in ("exact_dup", "near_dup") and d["metadata"]["language"] != "en":
+                    continue
+                english.append((p.parent.name, d["id"], d["metadata"].get("filter_reason")))
+    m = read_manifest(cfg.output)
+    assert m.build_stats["language:en"] > 0.95 * m.build_stats["read"] and m.build_stats["dropped_langid"] == 0
+    assert h.hexdigest() == ENGLISH_OUTPUT
+    assert (hashlib.sha256(json.dumps(sorted(ids)).encode()).hexdigest(), len(ids)) == ENGLISH_REJECT_IDS
+    assert (hashlib.sha256(json.dumps(sorted(english)).encode()).hexdigest(), len(english)) == ENGLISH_REJECT_REASONS
+
+
 def _plain_normalise(text: str) -> str:
     """The build's default normalisation (NormalizeConfig, docs/datapipe.md), written independently of
     datapipe.normalize: NFC; CR LF, CR and U+2028 become a newline, U+2029 a blank line; control characters

@@ -49,7 +49,7 @@ def test_sentence_counts_match_spacy():
 
 def test_keep_decisions_agree_with_spacy_chain(tmp_path):
     require("spacy")
-    fast = [build_filter(s, FastWordTokenizer(), str(tmp_path), i) for i, s in enumerate(fineweb_filters())]
+    fast = [build_filter(s, FastWordTokenizer()) for s in fineweb_filters()]
     slow = [_CLASSES[s.type](language="en", **s.params) for s in fineweb_filters()]
     assert isinstance(fast[0], FastGopherRepetitionFilter)
     texts = _sample()

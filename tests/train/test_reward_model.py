@@ -85,7 +85,7 @@ def test_reward_model_trains_and_its_export_scores_like_it(trained):
         padded = model(input_ids=batch).logits[:, 0].tolist()
     assert padded == pytest.approx([s for pair in scores[:6] for s in pair], abs=1e-4)
 
-    from train.objectives.reward_model import load_scorer
+    from train.objectives.rewards import load_scorer
 
     score = load_scorer(str(hf))
     from transformers import AutoTokenizer

@@ -50,7 +50,7 @@ def chain(language):
 
     if isinstance(language, str):
         return [_CLASSES[spec.type](language=language, **spec.params) for spec in fineweb_filters()]
-    return [build_filter(spec, language, "/tmp/bench-unused-rejects", i) for i, spec in enumerate(fineweb_filters())]
+    return [build_filter(spec, language) for spec in fineweb_filters()]
 
 
 def decide(filters, text: str) -> str:

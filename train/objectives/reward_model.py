@@ -6,7 +6,8 @@ head (train.model.heads), trained on `format: preference` pairs with the Bradley
 held-out pairs' accuracy (with its standard error), loss and margin.
 
 Export (`train ckpt export` of a reward-model checkpoint) writes a transformers sequence-classification
-folder (`score.weight`, num_labels 1); `load_scorer` reads one (or a checkpoint) for RL's `model` reward.
+folder (`score.weight`, num_labels 1); train.objectives.rewards reads one (or a checkpoint) for RL's
+`model` reward.
 """
 from __future__ import annotations
 
@@ -145,32 +146,3 @@ def score_pairs(chunks: list, par, pairs: list, seq_len: int) -> list[float]:
     for p in pieces:
         merged.update(p)
     return [merged[i] for i in range(len(sides))]
-
-
-def load_scorer(path: str):
-    """texts → scores with a reward model: a transformers sequence-classification folder (exported by `train
-    ckpt export` from a reward-model checkpoint, or any Llama-family one), or such a checkpoint."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    from train.generation.load import is_hf_folder
-
-    if not is_hf_folder(path):
-        import tempfile
-
-        from train.checkpoint.export_hf import export
-        from train.checkpoint.layout import find_checkpoints
-
-        folder = tempfile.mkdtemp(prefix="smoltrain-rm-")
-        export(find_checkpoints(path, every=False)[0], folder)
-        path = folder
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-
-    @torch.no_grad()
-    def score(texts: list[str]) -> list[float]:
-        out = []
-        for t in texts:  # one at a time: no padding to pick the last token from
-            ids = torch.tensor([tok(t, add_special_tokens=False)["input_ids"]])
-            out.append(float(model(input_ids=ids).logits[0, 0]))
-        return out
-    return score

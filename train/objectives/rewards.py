@@ -84,11 +84,9 @@ def format_reward(pattern: str) -> Callable:
 
 
 class RewardModel:
-    """A reward model's scalar on prompt + completion (train/objectives/reward_model.py exports and loads it)."""
+    """A reward model's scalar on prompt + completion (objective reward: train/objectives/reward_model.py)."""
 
     def __init__(self, path: str):
-        from train.objectives.reward_model import load_scorer
-
         self.score = load_scorer(path)
 
     def __call__(self, prompts, completions, answers) -> list[float]:
@@ -127,3 +125,33 @@ def total(rewards: list[tuple[float, Callable]], prompts: list[str], completions
     if clip:
         sums = [max(-clip, min(clip, s)) for s in sums]
     return sums, parts
+
+
+def load_scorer(path: str):
+    """texts → scores with a reward model: a transformers sequence-classification folder (exported by `train
+    ckpt export` from a reward-model checkpoint, or any Llama-family one), or such a checkpoint."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from train.generation.load import is_hf_folder
+
+    if not is_hf_folder(path):
+        import tempfile
+
+        from train.checkpoint.export_hf import export
+        from train.checkpoint.layout import find_checkpoints
+
+        folder = tempfile.mkdtemp(prefix="smoltrain-rm-")
+        export(find_checkpoints(path, every=False)[0], folder)
+        path = folder
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+
+    @torch.no_grad()
+    def score(texts: list[str]) -> list[float]:
+        out = []
+        for t in texts:  # one at a time: no padding to pick the last token from
+            ids = torch.tensor([tok(t, add_special_tokens=False)["input_ids"]])
+            out.append(float(model(input_ids=ids).logits[0, 0]))
+        return out
+    return score
