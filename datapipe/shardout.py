@@ -106,7 +106,8 @@ class TaskShards:
         """`meta`: one block-metadata object per document of the group (prompts), or None."""
         val = self.out.validation
         if val.enabled and holdout_score(self.source, key) < val.fraction:
-            self.groups.append([key, [[doc_id, len(t)] for doc_id, t, _ in group], *([meta] if meta is not None else [])])
+            cand = [key, [[doc_id, len(t)] for doc_id, t, _ in group]]
+            self.groups.append(cand if meta is None else [*cand, meta])
             self.tokens += [np.asarray(t) for _, t, _ in group]
             self.masks += [np.asarray(m, np.uint8) for _, _, m in group if m is not None]
         else:
