@@ -177,3 +177,31 @@ def prune_cmd(checkpoint: str, out_dir: str, width: str | None, depth: int | Non
     except (CheckpointError, ConfigError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"pruned {checkpoint} into {path}")
+
+
+@ckpt.command("quantize")
+@click.argument("source", metavar="CKPT|HF_FOLDER")
+@click.argument("out_dir")
+@click.option("--scheme", type=click.Choice(["int8-weight", "int4-weight", "gptq", "awq"]), required=True,
+              help="int8-weight / int4-weight: torchao weight-only (CPU or GPU); gptq / awq: llm-compressor W4A16 "
+              "(needs an NVIDIA GPU: refused otherwise).")
+@click.option("--group-size", type=int, default=None, help="int4-weight: values per scale (default 128 on a GPU, "
+              "32 on CPU; must divide hidden and FFN sizes).")
+@click.option("--data", "dataset", default=None, help="gptq / awq: calibration dataset (its training split).")
+@click.option("--samples", type=int, default=128, show_default=True, help="gptq / awq: calibration sequences.")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="gptq / awq: calibration length.")
+def quantize_cmd(source: str, out_dir: str, scheme: str, group_size: int | None, dataset: str | None, samples: int,
+                 seq_len: int) -> None:
+    """Write a Hugging Face folder OUT_DIR with quantized weights (a checkpoint SOURCE is exported first),
+    which `train eval --hf OUT_DIR` and `train generate OUT_DIR` run; prints its size on disk.
+
+    \b
+      train ckpt quantize runs/x q/int8 --scheme int8-weight
+      train ckpt quantize hf/ q/gptq --scheme gptq --data data/   # on a GPU machine"""
+    from train.checkpoint.quantize import folder_bytes, quantize
+
+    try:
+        quantize(source, out_dir, scheme, group_size, dataset, samples, seq_len)
+    except (CheckpointError, ConfigError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"quantized {source} ({scheme}) into {out_dir}: {folder_bytes(out_dir) / 2**20:.2f} MiB of weights")
