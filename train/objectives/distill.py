@@ -6,9 +6,8 @@ The teacher is a frozen model built from its own checkpoint's model config (anot
 fine) under the run's TP × PP layout; it must have the student's vocabulary (refused with both sizes
 otherwise) and embedding padding. Each step, before the student's forward/backward, it scores this rank's
 rows micro-batch by micro-batch with a forward-only pipeline schedule (the same document masking and RoPE
-positions as the student); its logits (or only its top-k logits and ids, with `top_k`) wait on the last
-pipeline stage for the student's loss. With `logits: precomputed` no teacher is built: its top-k logits
-are read from the store beside the dataset (train.objectives.teacher_logits), found by each row's content.
+positions as the student); its logits (or only its top-k logits and ids, with `top_k`: k / vocabulary of
+the memory) wait on the last pipeline stage for the student's loss.
 
 Token loss = (1 − ce_weight)·divergence(teacher, student) + ce_weight·cross entropy (distill_loss.py; the
 divergence is TRL's generalized JSD, TP-aware); the micro-batch returns the sum over its loss tokens and
@@ -139,22 +138,12 @@ class Distill(Objective):
     @classmethod
     def check_data(cls, cfg) -> None:
         resolve_teacher(cfg)
-        if cfg.distill.logits == "precomputed":
-            from train.objectives import teacher_logits
-
-            teacher_logits.check(cfg)
 
     def __init__(self, cfg, par, model: list, sinks):
         super().__init__(cfg, par, model, sinks)
         d = cfg.distill
         self.beta, self.vocab = DL.beta_of(d.loss, d.beta), cfg.model.resolved().vocab_size
-        self.teacher = self.store = None
-        if d.logits == "precomputed":
-            from train.objectives.teacher_logits import Store
-
-            self.store = Store.open(cfg)
-        else:
-            self.teacher = Teacher(cfg, par, d.teacher)
+        self.teacher = Teacher(cfg, par, d.teacher)
         self.outs: list = []
         self.micro = 0
         self.docs = self._document_settings()
@@ -167,13 +156,10 @@ class Distill(Objective):
         """The teacher's outputs for each micro-batch of this rank's rows (last stage), before the student's."""
         mbs = self.rows_per_micro()
         micro = list(batch.to(self.par.device).split(mbs))
-        if self.store is not None:
-            self.outs = [self.store.lookup(m) for m in micro] if self.par.is_last_stage else []
-        else:
-            docs = self.docs
-            seq = batch.shape[-1] - (1 if batch.dim() == 2 else 0)
-            self.outs = self.teacher.outputs(micro, docs, seq * mbs if docs["varlen"] else seq,
-                                             1 if docs["varlen"] else mbs, self.keep) or []
+        docs = self.docs
+        seq = batch.shape[-1] - (1 if batch.dim() == 2 else 0)
+        self.outs = self.teacher.outputs(micro, docs, seq * mbs if docs["varlen"] else seq,
+                                         1 if docs["varlen"] else mbs, self.keep) or []
         self.micro = 0
         return batch
 

@@ -17,9 +17,6 @@ class DistillConfig:
     temperature: float = 1.0         # both logits divided by it (no T² factor, as TRL)
     ce_weight: float = 0.0           # token loss = (1 − ce_weight)·divergence + ce_weight·cross entropy on the data
     top_k: int | None = None         # the divergence over the teacher's k most likely tokens (renormalised); null: whole vocabulary
-    # online: the teacher runs forward-only in the training job; precomputed: its top-k logits are read from
-    # DATASET/teacher-logits/ (written by `train teacher-logits CONFIG`; needs top_k)
-    logits: Literal["online", "precomputed"] = "online"
 
     def check(self) -> None:
         if not self.teacher:
@@ -36,6 +33,3 @@ class DistillConfig:
             raise ConfigError(f"key 'distill.ce_weight': must be in [0, 1], got {self.ce_weight}")
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"key 'distill.top_k': must be >= 1 or null, got {self.top_k}")
-        if self.logits == "precomputed" and not self.top_k:
-            raise ConfigError("key 'distill.top_k': precomputed teacher logits are stored as the top k per token; "
-                              "set top_k (e.g. 64)")
