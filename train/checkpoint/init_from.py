@@ -10,7 +10,7 @@ directory or checkpoints folder means its newest checkpoint that verifies); `ini
 folder's absolute path, and the model shape comes from the checkpoint's recorded model config:
 
 - a shape key left null in the config (hidden_size, num_layers, num_heads, num_kv_heads, ffn_hidden_size,
-  vocab_size, max_position_embeddings, rope_theta, norm_eps, no_rope_every) takes the checkpoint's value (the preset
+  vocab_size, max_position_embeddings, rope_theta, norm_eps, no_rope_every, head_dim) takes the checkpoint's value (the preset
   does not apply to it); a key set in the config must equal the checkpoint's, except the stage keys
   rope_theta and max_position_embeddings (no parameter has their shape: a new stage may raise them, e.g. a
   long-context stage);
@@ -37,7 +37,7 @@ import fsspec
 from storage.config import ConfigError
 from train.checkpoint import layout
 
-NULLABLE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size",
+NULLABLE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size", "vocab_size",
             "max_position_embeddings", "rope_theta", "norm_eps", "no_rope_every")
 DEFAULTED = {"tie_embeddings": True, "make_vocab_size_divisible_by": 128}
 # set in the config, these may differ from the checkpoint's: no parameter shape depends on them (RoPE has no

@@ -20,6 +20,8 @@ class GenerationEvalConfig:
     chat_template: bool | None = None  # null: the task's default (off for gsm8k_cot, on for gsm8k_cot_chat and ifeval)
     batch_size: int = 32             # prompts generated together (train.generation.engine)
     backend: Literal["auto", "continuous", "padded", "vllm"] = "auto"  # auto: vllm on a GPU when installed, else transformers
+    speed_prompts: int = 0           # `train eval`: time greedy generation of this many prompts (batch 1) → generation_tokens_per_s; 0: off
+    speed_new_tokens: int = 64       # tokens generated per prompt in that measurement
 
     def validate(self) -> None:
         if self.limit is not None and self.limit < 1:
@@ -28,6 +30,9 @@ class GenerationEvalConfig:
             raise ConfigError(f"key 'eval.generation.max_new_tokens': must be >= 1 or null, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ConfigError(f"key 'eval.generation.batch_size': must be >= 1, got {self.batch_size}")
+        if self.speed_prompts < 0 or self.speed_new_tokens < 1:
+            raise ConfigError(f"key 'eval.generation.speed_prompts': >= 0 prompts of >= 1 new tokens, got "
+                              f"{self.speed_prompts}, {self.speed_new_tokens}")
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError(f"key 'eval.generation.stop': a list of non-empty strings, got {self.stop!r}")
 

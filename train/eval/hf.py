@@ -144,3 +144,109 @@ def generate_hf(folder: str, specs: list[str], limit: int | None, gen) -> dict[s
         _, details = task.run(engine)
         out[task.name] = {"generative": True, **details}
     return out
+
+
+class HFScorer:
+    """train.eval.scorer.Scorer's `score` for a transformers model: per row, its spans' summed target
+    log-probs (float32 log_softmax, float64 sums), rows batched by `batch` with right padding."""
+
+    def __init__(self, model, batch: int = 8):
+        self.model, self.batch = model, batch
+
+    @torch.inference_mode()
+    def score(self, rows) -> list[list[float]]:
+        out = []
+        for b in range(0, len(rows), self.batch):
+            chunk = rows[b:b + self.batch]
+            width = max(len(r.tokens) for r in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for i, r in enumerate(chunk):
+                ids[i, :len(r.tokens)] = torch.tensor(r.tokens)
+                mask[i, :len(r.tokens)] = 1
+            logp = torch.log_softmax(self.model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+            for i, r in enumerate(chunk):
+                lp = logp[i, :len(r.tokens)].gather(1, torch.tensor(r.labels).unsqueeze(1))[:, 0].double()
+                out.append([float(lp[a:e].sum()) for a, e in r.spans])
+        return out
+
+
+def validation_hf(folder: str, dataset: str, seq_len: int, tokens: int) -> dict[str, float]:
+    """`val/<source>/{loss,ppl,bpb,tokens}` of a HF folder on the dataset's held-out split: the same
+    sequences as `train eval` of a checkpoint (train.eval.validation)."""
+    from train.eval.validation import ValidationSet
+
+    model, *_ = load_hf(folder)
+    return ValidationSet.from_dataset(dataset, seq_len, tokens).evaluate(HFScorer(model))
+
+
+def evaluate_hf(spec: str, config_path: str | None, overrides: list[str], task_list: list[str] | None,
+                limit: int | None, validation_tokens: int | None, out: str | None) -> str:
+    """`train eval --hf [LABEL=]FOLDER`: validation loss (when the config names a dataset), benchmarks,
+    generative tasks, size on disk and (eval.generation.speed_prompts) generation speed of a HF folder.
+    The record has the shape of a checkpoint's (train.eval.results), so `--table` shows both; written to
+    OUT/<label or folder name>.json when OUT is a folder, to OUT when it ends with .json, else
+    FOLDER/eval.json. Returns the lines to print."""
+    import time
+
+    from storage import config as cfgmod
+    from storage.evaltasks import EARLY_SIGNAL
+    from train.checkpoint.quantize import folder_bytes
+    from train.config import TrainConfig
+    from train.eval.config import load_mc_task
+    from train.eval.generative import is_generative
+    from train.eval.results import LABEL, write_result
+
+    label, folder = None, spec
+    if "=" in spec and not os.path.exists(spec):
+        label, folder = spec.split("=", 1)
+        if not LABEL.fullmatch(label):
+            raise cfgmod.ConfigError(f"--hf {spec}: bad label {label!r} (letters, digits and _ . + -)")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"--hf {folder}: not a Hugging Face model folder (no config.json)")
+    cfg = cfgmod.load(TrainConfig, config_path, overrides)
+    ecfg = cfg.eval
+    specs = task_list or ecfg.tasks or list(EARLY_SIGNAL)
+    loaded = [load_mc_task(t, limit or ecfg.limit or 200) for t in specs if not is_generative(t)]
+    gen_specs = [t for t in specs if is_generative(t)]
+    ecfg.tasks = gen_specs
+    ecfg.load_tasks()  # task files checked before the model is loaded
+    metrics: dict[str, float] = {}
+    n_val = ecfg.validation_tokens if validation_tokens is None else validation_tokens
+    if n_val and cfg.data.dataset and not cfg.debug.synthetic_data:
+        metrics |= validation_hf(folder, cfg.data.dataset, cfg.data.seq_len, n_val)
+    res = score_hf(folder, loaded) if loaded else {}
+    for name, r in res.items():
+        metrics |= {f"eval/{name}/{k}": v for k, v in r["metrics"].items() if k in ("acc", "acc_norm", "acc_token")}
+    glimit = limit if limit is not None else (ecfg.generation.limit or ecfg.limit)
+    res |= generate_hf(folder, gen_specs, glimit, ecfg.generation) if gen_specs else {}
+    metrics["size_bytes"] = folder_bytes(folder)
+    if ecfg.generation.speed_prompts:
+        from train.eval.speed import generation_speed
+        from train.generation.load import load
+
+        m = load(folder)
+        metrics["generation_tokens_per_s"] = generation_speed(m.model, m.tokenizer, ecfg.generation.speed_prompts,
+                                                              ecfg.generation.speed_new_tokens)
+    with open(os.path.join(folder, "config.json")) as f:
+        src = json.load(f).get("smoltrain_checkpoint") or {}
+    rec = {"checkpoint": os.path.basename(os.path.abspath(folder)), "path": os.path.abspath(folder),
+           "hf_folder": os.path.abspath(folder), "step": src.get("step") or 0, "consumed_tokens": 0,
+           "evaluated_at": time.time(), "metrics": metrics, "tasks": res}
+    if label:
+        rec = {"label": label, **rec}
+    if out and not out.endswith(".json"):
+        os.makedirs(out, exist_ok=True)
+        path = write_result(out, rec)
+    else:
+        path = out or os.path.join(folder, "eval.json")
+        with open(path, "w") as f:
+            json.dump(rec, f, indent=1)
+    lines = [f"{k:<24} {v:.4f}" for k, v in metrics.items() if k.startswith("val/all/") or k.startswith("gen")]
+    for name, r in res.items():
+        m = r["metrics"]
+        lines.append(f"{name:<16} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()
+                                                if k != "items" and isinstance(v, (int, float)))
+                     + f"  ({m.get('items', '?')} items)")
+    lines.append(f"size on disk {metrics['size_bytes'] / 2**20:.2f} MiB; wrote {path}")
+    return "\n".join(lines)

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             state = TrainState(model=chunks, optimizer=None, scheduler=None, loader=None)
             load_into(state, root, name, cfg.checkpoint, restore_rng=False)
             metrics, details = evaluator.run()
+            metrics |= _cost(cfg, chunks, par, manifest, tok)
             if par.rank == 0:
                 rec = {"checkpoint": name, "path": os.path.join(root, name), "step": manifest["step"],
                        "consumed_tokens": state.consumed_tokens,
@@ -75,6 +76,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         parallel.shutdown()
+
+
+def _cost(cfg, chunks, par, manifest: dict, tokenizer_path: str | None) -> dict:
+    """size_bytes of the weights and, with eval.generation.speed_prompts, generation_tokens_per_s of the
+    model's transformers mirror (train.eval.speed); every rank calls it (the mirror is gathered)."""
+    from train.eval.speed import checkpoint_bytes, generation_speed
+
+    out = {"size_bytes": checkpoint_bytes(manifest)}
+    g = cfg.eval.generation
+    if g.speed_prompts and tokenizer_path:
+        import torch.distributed as dist
+
+        from train.generation.load import tokenizer_for
+        from train.generation.sync import HFMirror
+
+        model = HFMirror(cfg.model).sync(chunks)
+        box = [None]
+        if par.rank == 0:
+            box = [generation_speed(model, tokenizer_for(tokenizer_path)[0], g.speed_prompts, g.speed_new_tokens)]
+        dist.broadcast_object_list(box, src=0)
+        out["generation_tokens_per_s"] = box[0]
+    return out
 
 
 if __name__ == "__main__":

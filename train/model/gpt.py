@@ -63,6 +63,7 @@ class ModelConfig:
     num_layers: int | None = None
     num_heads: int | None = None
     num_kv_heads: int | None = None  # GQA query groups
+    head_dim: int | None = None      # attention head size (megatron kv_channels); null: hidden_size / num_heads (a pruned model keeps its heads' size)
     ffn_hidden_size: int | None = None
     vocab_size: int | None = None  # null: preset's, or the dataset tokenizer's when the trainer knows it
     max_position_embeddings: int | None = None
@@ -88,7 +89,9 @@ class ModelConfig:
         for k in SHAPE_KEYS:
             if getattr(s, k) <= 0:
                 raise ConfigError(f"key 'model.{k}': must be positive, got {getattr(s, k)}")
-        if s.hidden_size % s.num_heads:
+        if s.head_dim is not None and s.head_dim <= 0:
+            raise ConfigError(f"key 'model.head_dim': must be positive or null, got {s.head_dim}")
+        if s.head_dim is None and s.hidden_size % s.num_heads:
             raise ConfigError(f"key 'model.num_heads': {s.num_heads} does not divide hidden_size "
                               f"{s.hidden_size}")
         if s.num_heads % s.num_kv_heads:
@@ -120,6 +123,11 @@ class ModelConfig:
         s = self.resolved()
         n = s.no_rope_every
         return [int((i + 1) % n == 0) for i in range(s.num_layers)] if n else None
+
+    def kv_channels(self) -> int:
+        """The attention head size: head_dim, else hidden_size / num_heads."""
+        s = self.resolved()
+        return s.head_dim or s.hidden_size // s.num_heads
 
     def recompute_layers_per_stage(self, pp: int = 1) -> int:
         """Layers of one pipeline stage whose activations are recomputed (full recompute), else 0."""
@@ -158,7 +166,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool
     return TransformerConfig(
         num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_heads,
         num_query_groups=s.num_kv_heads, ffn_hidden_size=s.ffn_hidden_size,
-        kv_channels=s.hidden_size // s.num_heads,
+        kv_channels=s.kv_channels(),
         normalization="RMSNorm", layernorm_epsilon=s.norm_eps,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, add_qkv_bias=False,
@@ -273,8 +281,8 @@ def num_parameters(cfg: ModelConfig) -> dict:
     """Parameter counts of the unsharded model (embedding counted once when tied)."""
     s = cfg.resolved()
     h, f, L = s.hidden_size, s.ffn_hidden_size, s.num_layers
-    head = h // s.num_heads
-    attn = h * h + 2 * h * s.num_kv_heads * head + h * h
+    head = s.kv_channels()
+    attn = 2 * h * s.num_heads * head + 2 * h * s.num_kv_heads * head
     mlp = 3 * h * f
     layer = attn + mlp + 2 * h
     emb = s.vocab_size * h

@@ -53,7 +53,7 @@ def estimate(cfg: TrainConfig, world: int, flash_attention: bool = True, mfu: fl
            "activations": activations, "logits": logits}
     total = sum(mem.values())
     fpt = flops_per_token(cfg.model, s)
-    hq, hkv = m.num_heads * (h // m.num_heads), m.num_kv_heads * (h // m.num_heads)
+    hq, hkv = m.num_heads * m.kv_channels(), m.num_kv_heads * m.kv_channels()
     layer_fwd = 2 * (h * hq + 2 * h * hkv + hq * h + 3 * h * m.ffn_hidden_size) + 4 * s * hq
     recompute_fpt = rk * pp * layer_fwd if m.recompute == "full" else \
         (m.num_layers * 4 * s * hq if m.recompute == "selective" else 0)

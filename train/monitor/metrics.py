@@ -25,8 +25,8 @@ PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12}
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     s = m.resolved()
     h, L, f = s.hidden_size, s.num_layers, s.ffn_hidden_size
-    hq = s.num_heads * (h // s.num_heads)
-    hkv = s.num_kv_heads * (h // s.num_heads)
+    hq = s.num_heads * s.kv_channels()
+    hkv = s.num_kv_heads * s.kv_channels()
     matmul_params = L * (h * hq + 2 * h * hkv + hq * h + 3 * h * f) + s.vocab_size * h
     return 6.0 * matmul_params + 12.0 * L * seq_len * hq
 

@@ -27,6 +27,8 @@ BUILTIN = {
     "rloo": "train.objectives.rl:RLOO",
     "ppo": "train.objectives.ppo:PPO",
     "reward": "train.objectives.reward_model:RewardModel",
+    "distill": "train.objectives.distill:Distill",
+    "distill_sft": "train.objectives.distill:DistillSFT",
 }
 _REGISTERED: dict[str, type[Objective]] = {}
 
