@@ -50,3 +50,17 @@ def tiny_hf(tmp_path_factory):
     return str(out), model, eos_id, ck, str(ds)
 
 
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_hf, tmp_path_factory) -> str:
+    """The tiny Llama imported by `train ckpt import` (a Megatron checkpoint that `--init`, `train eval` and
+    RL start from; it carries the HF tokenizer files)."""
+    from click.testing import CliRunner
+
+    from train.checkpoint.cli import ckpt
+
+    out = tmp_path_factory.mktemp("tinyckpt") / "ck"
+    r = CliRunner().invoke(ckpt, ["import", tiny_hf[0], str(out)])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    return str(out)

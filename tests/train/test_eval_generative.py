@@ -54,12 +54,10 @@ def test_same_generations_and_scores_as_lm_eval(tiny_hf, hf_results, tmp_path, t
             assert v == pytest.approx(float(ref["results"][k if "," in k else f"{k},none"]))
 
 
-def test_a_checkpoint_under_tp2_generates_what_its_export_generates(tiny_hf, hf_results, tmp_path):
+def test_a_checkpoint_under_tp2_generates_what_its_export_generates(tiny_ckpt, hf_results, tmp_path):
     from train.cli import main
 
-    r = CliRunner().invoke(main, ["ckpt", "import", tiny_hf[0], str(tmp_path / "ck")])  # a Megatron checkpoint
-    assert r.exit_code == 0, r.output + repr(r.exception)
-    r = CliRunner().invoke(main, ["eval", str(tmp_path / "ck"), "--tasks", "gsm8k_cot", "--limit", str(LIMIT),
+    r = CliRunner().invoke(main, ["eval", tiny_ckpt, "--tasks", "gsm8k_cot", "--limit", str(LIMIT),
                                   "--nproc", "2", "--set", "parallel.tp=2", "--set", "data.seq_len=64",
                                   "--set", f"eval.generation.max_new_tokens={N_NEW}", "--validation-tokens", "0",
                                   "--out", str(tmp_path / "res")])

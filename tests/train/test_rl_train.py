@@ -1,8 +1,8 @@
 """Online RL (objective grpo, rloo, ppo) under real torchrun on a `format: prompts` dataset of arithmetic
 questions, starting from the tiny Llama of tests/train/conftest.py imported as a checkpoint, with a reward
-function of tests/train/rl_rewards.py named in the config: a run killed with kill -9 resumes bit-identically (rewards,
-losses, gradient norms, final weights); PPO trains its value head (GAE, clipped value loss); config errors are one line
-naming the key."""
+function of tests/train/rl_rewards.py named in the config: a PPO run (value head, GAE, KL to the reference,
+entropy bonus) killed with kill -9 resumes bit-identically (rewards, losses, gradient norms, final weights and
+critic); config errors are one line naming the key."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_hf, tmp_path_factory) -> dict:
+def setup(tiny_hf, tiny_ckpt, tmp_path_factory) -> dict:
     from datapipe.demo import arithmetic_prompts
 
     tmp = tmp_path_factory.mktemp("rl")
@@ -34,13 +34,11 @@ def setup(tiny_hf, tmp_path_factory) -> dict:
     (tmp / "build.yaml").write_text(yaml.safe_dump(build))
     assert run_killable([str(BIN / "datapipe"), "build", "--quiet", str(tmp / "build.yaml")], log) == 0, \
         log.read_text()[-3000:]
-    assert run_killable([str(BIN / "train"), "ckpt", "import", tiny_hf[0], str(tmp / "policy")], log) == 0, \
-        log.read_text()[-3000:]
-    return {"tmp": tmp, "log": log, "ds": tmp / "ds", "policy": tmp / "policy"}
+    return {"tmp": tmp, "log": log, "ds": tmp / "ds", "policy": tiny_ckpt}
 
 
 def _config(setup, name: str, **over) -> Path:
-    cfg = {"run_dir": str(setup["tmp"] / name), "objective": "grpo", "steps": 6, "seed": 4,
+    cfg = {"run_dir": str(setup["tmp"] / name), "objective": "ppo", "steps": 6, "seed": 4,
            "imports": ["rl_rewards"],
            "model": {"preset": "tiny"}, "data": {"dataset": str(setup["ds"]), "seq_len": 64, "seed": 1},
            "parallel": {"global_batch_size": 4, "micro_batch_size": 2},
@@ -73,8 +71,12 @@ def _trace(run: Path) -> dict:
     return {r["step"]: (r["loss"], r["grad_norm"], r["reward"], r["kl"], r["entropy"]) for r in metric_records(run)}
 
 
-def test_grpo_kill_9_resumes_bit_identically(setup):
+def test_ppo_kill_9_resumes_bit_identically(setup):
+    """PPO exercises the whole loop (rollouts, rewards, the frozen reference, the value head, GAE) and its
+    checkpointed critic; GRPO's loop is the same code without the critic (and runs end to end in the demo
+    test)."""
     from train.checkpoint.export_hf import load_model_tensors
+    from train.checkpoint.incremental import RAW_DIR, PieceSet
 
     _launch(setup, _config(setup, "full"))
     full = _trace(setup["tmp"] / "full")
@@ -82,7 +84,8 @@ def test_grpo_kill_9_resumes_bit_identically(setup):
     assert any(abs(v[1]) > 0 for v in full.values()) and any(v[3] != 0 for v in full.values())  # it learns, KL acts
     recs = metric_records(setup["tmp"] / "full")
     assert {"reward_std", "clip_fraction", "logp_mismatch", "response_length", "generation_s", "update_s",
-            "reward/length_reward", "reward/math_reward"} <= set(recs[-1])
+            "value_loss", "reward/length_reward", "reward/math_reward"} <= set(recs[-1])
+    assert all(r["value_loss"] > 0 for r in recs)
     assert recs[-1]["logp_mismatch"] < 1e-3  # the engine's log-probs and the trainer's agree
     evals = [json.loads(ln) for ln in (setup["tmp"] / "full" / "metrics.jsonl").read_text().splitlines()
              if '"kind": "eval"' in ln]
@@ -95,25 +98,14 @@ def test_grpo_kill_9_resumes_bit_identically(setup):
     _launch(setup, conf)
     assert _trace(setup["tmp"] / "killed") == full
     a, _ = load_model_tensors(str(sorted((setup["tmp"] / "full" / "checkpoints").glob("step_*"))[-1]))
-    b, _ = load_model_tensors(str(sorted(ckpts.glob("step_*"))[-1]))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.parametrize("objective", ["ppo"])  # rloo differs from grpo only in the advantages (test_rl_losses)
-def test_ppo_trains_its_value_head(setup, objective):
-    _launch(setup, _config(setup, objective, objective=objective, steps=3, **{"eval.every": 0}))
-    recs = metric_records(setup["tmp"] / objective)
-    assert [r["step"] for r in recs] == [1, 2, 3] and all(r["grad_norm"] > 0 for r in recs)
-    if objective == "ppo":
-        assert all(r["value_loss"] > 0 for r in recs)
-        from train.checkpoint.incremental import RAW_DIR, PieceSet
-
-        ck = sorted((setup["tmp"] / objective / "checkpoints").glob("step_*"))[-1]
-        assert "value_head.weight" in PieceSet(str(ck), RAW_DIR).keys()  # the critic is checkpointed
+    last = sorted(ckpts.glob("step_*"))[-1]
+    b, _ = load_model_tensors(str(last))
+    assert all(torch.equal(a[k], b[k]) for k in a) and "value_head.weight" in a  # the critic too
+    assert "value_head.weight" in PieceSet(str(last), RAW_DIR).keys()
 
 
 def test_config_errors_name_the_key(setup):
-    cases = [({"rl.group_size": 1}, "key 'rl.group_size': grpo compares completions of one prompt"),
+    cases = [({"objective": "grpo", "rl.group_size": 1}, "key 'rl.group_size': grpo compares completions of one prompt"),
              ({"rl.rewards": [{"name": "nosuch"}]}, "key 'rl.rewards.0.name': unknown reward 'nosuch'"),
              ({"rl.rewards": [{"name": "rl_rewards:missing_fn"}]}, "key 'rl.rewards.0.name': cannot load reward"),
              ({"rl.rewards": [{"name": "format"}]}, "key 'rl.rewards.0.pattern'"),
