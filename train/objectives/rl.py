@@ -43,9 +43,11 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     return s.log() - reduce((e * z).sum(-1)) / s
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor, vocab: int, temperature: float):
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, vocab: int, temperature: float,
+                entropy_grad: bool = True):
     """(log-probs of `labels`, entropies) under softmax(logits / temperature) [B, S], TP-split vocabulary;
-    the embedding's padding rows (ids >= vocab) are excluded, as the engine never samples them."""
+    the embedding's padding rows (ids >= vocab) are excluded, as the engine never samples them. With
+    entropy_grad False the entropy is a detached metric (no autograd graph kept for it)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -55,7 +57,10 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, vocab: int, temperat
     if start + part > vocab:
         z = torch.cat([z[..., :max(vocab - start, 0)], torch.full_like(z[..., max(vocab - start, 0):], -1e30)], -1)
     logp = -vocab_parallel_cross_entropy(z.clone(), labels)  # (it subtracts the max in place)
-    return logp, vocab_parallel_entropy(z)
+    if entropy_grad:
+        return logp, vocab_parallel_entropy(z)
+    with torch.no_grad():
+        return logp, vocab_parallel_entropy(z.detach())
 
 
 class RL(Objective):
@@ -222,7 +227,8 @@ class RL(Objective):
     def loss(self, logits: torch.Tensor, rows: torch.Tensor, kl_in_loss: bool = True):
         rl = self.rl
         mask = rows[:, F["mask"]].float()
-        logp, ent = token_logps(logits, rows[:, F["labels"]].long(), self.vocab, rl.temperature)
+        logp, ent = token_logps(logits, rows[:, F["labels"]].long(), self.vocab, rl.temperature,
+                                entropy_grad=bool(rl.entropy_coef))
         adv = rows[:, F["advantage"]].float()
         per_tok, st = L.policy_loss(logp, logp.detach(), adv, eps_low=rl.eps_low, eps_high=rl.eps_high,
                                     ref_logp=rows[:, F["ref_logp"]].float(), kl_coef=rl.kl_coef if kl_in_loss else 0.0,
