@@ -103,7 +103,6 @@ class CommTimer:
         self._measuring = False
         self._local = threading.local()  # .depth: inside a timed call, per thread
         self._paused = 0
-        self._delay_s = 0.0
         self._seconds = dict.fromkeys(KINDS, 0.0)
         self._pending: list[tuple[str, object, object]] = []   # CUDA: (kind, start event, end event)
         self._free_events: list = []
@@ -134,13 +133,14 @@ class CommTimer:
     @contextmanager
     def measuring(self, delay_s: float = 0.0):
         """Count communication in this block, on every thread (on GPU the backward's TP exchanges run in
-        autograd's device threads). `delay_s` sleeps inside every timed call (debug: an artificial delay on
-        the collective path)."""
-        self._measuring, self._delay_s = True, delay_s
+        autograd's device threads). `delay_s` > 0 (debug): the block runs under `delayed_collectives`, a
+        slow network inside the process groups that the timer has to observe like any communication."""
+        self._measuring = True
         try:
-            yield self
+            with delayed_collectives(delay_s, one_rank_groups=self.include_one_rank_groups):
+                yield self
         finally:
-            self._measuring, self._delay_s = False, 0.0
+            self._measuring = False
 
     @contextmanager
     def paused(self):
@@ -189,8 +189,6 @@ class CommTimer:
             token = ev
         else:
             token = time.perf_counter()
-        if self._delay_s:
-            time.sleep(self._delay_s)
         return token
 
     def _stop(self, kind: str, token) -> None:
@@ -218,6 +216,48 @@ class CommTimer:
         if kind.startswith("1:"):  # a known group of one rank
             return kind[2:] if self.include_one_rank_groups else None
         return kind or ("other" if self.include_one_rank_groups else None)
+
+
+# The torch.distributed.ProcessGroup methods that start communication: every collective, barrier and
+# send/recv of torch.distributed (and so of megatron) ends in one of them.
+_PG_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+               "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
+               "reduce_scatter_tensor_coalesced", "broadcast", "barrier", "alltoall", "alltoall_base", "send",
+               "recv", "reduce", "gather", "scatter")
+
+
+@contextmanager
+def delayed_collectives(delay_s: float, one_rank_groups: bool = False):
+    """Debug: a slow network. In this block every communication call of this process sleeps `delay_s`
+    inside the process group (the `ProcessGroup` methods above, patched on the class), before the work
+    starts: beneath torch.distributed's functions, megatron's aliases and regions, and the timer's
+    wrappers, so a timer sees the delay only by timing the real call. Groups of one rank move nothing
+    and are not delayed unless `one_rank_groups` (tests in one process)."""
+    if delay_s <= 0:
+        yield
+        return
+    import torch.distributed as dist
+
+    pg = dist.ProcessGroup
+    saved = []
+    for name in _PG_METHODS:
+        raw = pg.__dict__.get(name)  # the descriptor itself: putting back getattr's bound form breaks calls
+        if raw is None:
+            continue
+        orig = getattr(pg, name)
+
+        def slow(self, *args, _orig=orig, **kwargs):
+            if one_rank_groups or self.size() > 1:
+                time.sleep(delay_s)
+            return _orig(self, *args, **kwargs)
+
+        saved.append((name, raw))
+        setattr(pg, name, slow)
+    try:
+        yield
+    finally:
+        for name, raw in saved:
+            setattr(pg, name, raw)
 
 
 def window_metrics(seconds: dict[str, float], elapsed_s: float, device) -> dict[str, float]:
