@@ -86,7 +86,7 @@ def _from_checkpoint(path: str):
     if carried and os.path.isfile(os.path.join(carried, "tokenizer.json")):
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(carried)
+        tok = AutoTokenizer.from_pretrained(carried, trust_remote_code=False)
         return model, tok, tok.chat_template, _eos_ids(carried, tok)
     url = (m.get("meta") or {}).get("tokenizer")
     if not url:
@@ -116,14 +116,14 @@ def _eos_ids(folder: str, tok) -> list[int]:
 
 def load(path: str):
     """(model in float32 eval mode, tokenizer, chat template or None, EOS ids) of a checkpoint or HF folder."""
-    import torch
-
     p = os.path.abspath(path)
     if os.path.isfile(os.path.join(p, "config.json")) and not os.path.isfile(os.path.join(p, "manifest.json")):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(p)
+        from train.eval.hf import load_hf_model
+
+        model = load_hf_model(p)  # safetensors only, never the folder's own code
+        tok = AutoTokenizer.from_pretrained(p, trust_remote_code=False)
         out = model, tok, tok.chat_template, _eos_ids(p, tok)
     else:
         from storage.config import ConfigError
