@@ -8,7 +8,8 @@ trainer's own metric reductions). `collect()` returns seconds per kind since the
 What is timed (the outermost call counts; calls nested in a timed one do not count again):
 - `torch.distributed` collectives: all_reduce, all_gather, all_gather_into_tensor, _all_gather_base,
   reduce_scatter, reduce_scatter_tensor, _reduce_scatter_base, broadcast, all_to_all, all_to_all_single,
-  barrier, send, recv, batch_isend_irecv; also megatron's module aliases of them
+  barrier, send, recv, batch_isend_irecv, the object collectives (all_gather_object, broadcast_object_list,
+  gather_object, scatter_object_list); also megatron's module aliases of them
   (`dist_all_gather_func` / `dist_reduce_scatter_func` in tensor_parallel and the DDP buffers). TP
   exchanges inside the layers and the grad-norm all-reduce are such calls. isend/irecv are left alone
   (`P2POp` accepts only the original functions); their waits are inside the pipeline regions below.
@@ -44,7 +45,8 @@ KINDS = ("dp", "tp", "pp", "other")
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
                 "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "all_to_all", "all_to_all_single",
-                "barrier", "send", "recv", "batch_isend_irecv")
+                "barrier", "send", "recv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
+                "gather_object", "scatter_object_list")
 # Modules that bound a collective to a name at import time (megatron-core 0.16).
 _ALIAS_MODULES = ("megatron.core.utils", "megatron.core.tensor_parallel.utils",
                   "megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
@@ -220,10 +222,12 @@ class CommTimer:
 
 # The torch.distributed.ProcessGroup methods that start communication: every collective, barrier and
 # send/recv of torch.distributed (and so of megatron) ends in one of them.
+# (torch 2.13 names; older ones kept, missing ones skipped).
 _PG_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
-               "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",
-               "reduce_scatter_tensor_coalesced", "broadcast", "barrier", "alltoall", "alltoall_base", "send",
-               "recv", "reduce", "gather", "scatter")
+               "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+               "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce_scatter_single",
+               "reduce_scatter_single_coalesced", "broadcast", "barrier", "monitored_barrier", "alltoall",
+               "alltoall_base", "all_to_all_single", "send", "recv", "recv_anysource", "reduce", "gather", "scatter")
 
 
 @contextmanager

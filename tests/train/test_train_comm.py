@@ -90,6 +90,25 @@ def test_share_rises_with_delay_on_the_collective_path(timer):
     assert time.perf_counter() - t0 < d
 
 
+def test_every_collective_is_slowed_and_timed(timer):
+    """Each collective megatron uses (the distributed optimizer's all-gather and reduce-scatter too) reaches
+    a delayed process-group method, and the timer counts it once."""
+    import torch.distributed as dist
+
+    from train.comm import delayed_collectives
+
+    d, x = 0.02, torch.ones(8)
+    calls = {"all_reduce": lambda: dist.all_reduce(x), "broadcast": lambda: dist.broadcast(x, 0),
+             "barrier": dist.barrier, "all_gather": lambda: dist.all_gather([torch.empty(8)], x),
+             "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(8), x),
+             "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(8), x),
+             "all_gather_object": lambda: dist.all_gather_object([None], 1)}
+    for name, call in calls.items():
+        with timer.measuring(), delayed_collectives(d, one_rank_groups=True):
+            call()
+        assert d <= sum(timer.collect().values()) < 3 * d, name
+
+
 def test_kinds_nesting_async_and_outside_a_step(timer, groups):
     import torch.distributed as dist
 
