@@ -284,7 +284,7 @@ class Saver:
                 "tensor_bytes": {"written": sum(s.get("written", 0) for s in gathered),
                                  "full": sum(s.get("full", 0) for s in gathered)}}
         hashed = {rel: v for s in gathered for rel, v in s.get("files", {}).items()}  # hashed while written
-        if all("write_s" in s for s in gathered):  # raw full save: tensor bytes and the slowest rank's write
+        if isinstance(p.strategy, RawSaveStrategy):  # raw full save: tensor bytes and the slowest rank's write
             self.last_tensor_write = (sum(s["written"] for s in gathered), max(s["write_s"] for s in gathered))
         if isinstance(p.strategy, RawSaveStrategy):
             p.new_base = raw_snapshot(p.tmp, self.rank)
