@@ -57,15 +57,25 @@ def run(tmp_path_factory):
     return root
 
 
-def _eval(run_root: Path, name: str, nproc: int, *sets: str) -> dict:
-    out = run_root / name
-    args = ["train.cli", "eval", str(run_root / "run"), "--tasks", ",".join(TASKS), "--limit", str(LIMIT),
-            "--validation-tokens", "4096", "--nproc", str(nproc), "--out", str(out)]
-    for s in sets:
-        args += ["--set", s]
-    r = _cli(*args)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads((out / "step_00000040.json").read_text())
+def _evals(run_root: Path, layouts: dict[str, tuple]) -> dict[str, dict]:
+    """`train eval` of the step-40 checkpoint under each layout {name: (nproc, *--set overrides)}, two at a
+    time (their start-up, imports and model building, is mostly one core each)."""
+    names, out = list(layouts), {}
+    for pair in (names[i:i + 2] for i in range(0, len(names), 2)):
+        procs = {}
+        for name in pair:
+            nproc, *sets = layouts[name]
+            args = ["train.cli", "eval", str(run_root / "run"), "--tasks", ",".join(TASKS), "--limit", str(LIMIT),
+                    "--validation-tokens", "4096", "--nproc", str(nproc), "--out", str(run_root / name)]
+            for s in sets:
+                args += ["--set", s]
+            procs[name] = subprocess.Popen([sys.executable, "-m", *args], env=_env(), cwd=REPO, text=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for name, p in procs.items():
+            stdout, stderr = p.communicate(timeout=600)
+            assert p.returncode == 0, (name, stdout[-3000:] + stderr[-3000:])
+            out[name] = json.loads((run_root / name / "step_00000040.json").read_text())
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +120,7 @@ def test_same_numbers_under_every_layout_and_parity_with_lm_eval(run):
     from storage.evaltasks import load_task
     from train.eval.lmeval import run_lmeval
 
-    layouts = {"dp1": _eval(run, "dp1", 1), "dp2": _eval(run, "dp2", 2),
-               "tp2": _eval(run, "tp2", 2, "parallel.tp=2"), "pp2": _eval(run, "pp2", 2, "parallel.pp=2")}
+    layouts = _evals(run, {"dp1": (1,), "dp2": (2,), "tp2": (2, "parallel.tp=2"), "pp2": (2, "parallel.pp=2")})
     ref = layouts["dp1"]["metrics"]
     val_keys = [k for k in ref if k.startswith("val/")]
     assert {"val/docs/loss", "val/books/loss", "val/all/bpb"} <= set(val_keys)
