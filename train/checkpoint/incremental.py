@@ -72,6 +72,7 @@ class Scratch:
         self.x = np.empty(CHUNK_ELEMS * max_itemsize, dtype=np.uint8)
         self.planes = np.empty(CHUNK_ELEMS * max_itemsize, dtype=np.uint8)
 
+
 def _cctx(level: int) -> zstandard.ZstdCompressor:
     """This thread's compressor (a ZstdCompressor must not be used by two threads at once). Level 1 (the
     default): zstd's fast strategy looking only for matches of 7+ bytes in a small hash table; on the
