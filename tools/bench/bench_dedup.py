@@ -259,7 +259,7 @@ def main() -> int:
         k = bench_tokenize(load({"pydoc": 1000, "shakespeare": 300}), tok_path, args.runs)
         print(json.dumps(k, indent=1), flush=True)
         print(f"tokenize stage / bare tokenizers: {k['ratio']:.3f}x (goal >= 0.9x)", flush=True)
-    if not args.no_write and args.only is None:
+    if not args.no_write:
         write_section(f, s, k, args)
     return 0
 
@@ -269,24 +269,31 @@ def write_section(f: dict, s: dict, k: dict, args) -> None:
     lines = [
         "", f"## datapipe: filters, MinHash signatures, tokenization ({datetime.date.today().isoformat()})", "",
         f"Command: `python tools/bench/bench_dedup.py --runs {args.runs}" + (f" --limit {args.limit}" if args.limit
-                                                                              else "") + "`  ",
+                                                                              else "")
+        + (f" --only {args.only}" if args.only else "") + "`  ",
         (f"Machine: {os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, one process (per-core "
          "figures; other jobs shared the machine). Medians of alternating runs (our memo cleared each run); corpora ../shared/corpora."), "",
-        "| what | ours | peer | ratio | goal |", "|---|---|---|---|---|",
-        (f"| filter chain (FineWeb rules), docs/s on {f['docs']:,} docs | {f['fast_docs_s']:,.0f} | "
-        f"{f['spacy_docs_s']:,.0f} (datatrove + spaCy) | {f['speedup']:.1f}x | >= 5x |"),
-        (f"| keep-decision agreement with datatrove's spaCy chain, {f['agreement_docs']:,} docs | "
-        f"{100 * f['agreement']:.2f} % | kept {f['kept_fast']:,} vs {f['kept_spacy']:,} | | >= 99 % |"),
-        (f"| MinHash signatures docs/s ({s['docs']:,} docs) | {s['ours_docs_s']:,.0f} | "
-        f"{s['datatrove_docs_s']:,.0f} (datatrove) | {s['vs_datatrove']:.1f}x | >= 3x |"),
-        (f"| same, vs datasketch `MinHash.bulk` | {s['ours_docs_s']:,.0f} | {s['datasketch_docs_s']:,.0f} | "
-        f"{s['vs_datasketch']:.1f}x | |"),
-        (f"| documents whose signature-file records equal datatrove's (whole runs of both steps) | "
-         f"{100 * s['identical_signatures']:.2f} % | | | |"),
-        (f"| tokenize, tokens/s ({k['tokens']:,} tokens) | {k['ours_tok_s']:,.0f} | {k['bare_tok_s']:,.0f} (bare "
-        f"`encode_batch_fast`) | {k['ratio']:.2f}x | >= 0.9x |"), "",
-    ]
-    if f["top_disagreements"]:
+        "| what | ours | peer | ratio | goal |", "|---|---|---|---|---|"]
+    if f is not None:
+        lines += [
+            (f"| filter chain (FineWeb rules), docs/s on {f['docs']:,} docs | {f['fast_docs_s']:,.0f} | "
+             f"{f['spacy_docs_s']:,.0f} (datatrove + spaCy) | {f['speedup']:.1f}x | >= 5x |"),
+            (f"| keep-decision agreement with datatrove's spaCy chain, {f['agreement_docs']:,} docs | "
+             f"{100 * f['agreement']:.2f} % | kept {f['kept_fast']:,} vs {f['kept_spacy']:,} | | >= 99 % |")]
+    if s is not None:
+        lines += [
+            (f"| MinHash signatures docs/s ({s['docs']:,} docs) | {s['ours_docs_s']:,.0f} | "
+             f"{s['datatrove_docs_s']:,.0f} (datatrove) | {s['vs_datatrove']:.1f}x | >= 3x |"),
+            (f"| same, vs datasketch `MinHash.bulk` | {s['ours_docs_s']:,.0f} | {s['datasketch_docs_s']:,.0f} | "
+             f"{s['vs_datasketch']:.1f}x | |"),
+            (f"| documents whose signature-file records equal datatrove's (whole runs of both steps) | "
+             f"{100 * s['identical_signatures']:.2f} % | | | |")]
+    if k is not None:
+        lines.append(f"| tokenize stage (TokenizeStep: encode, EOS, LZ4 shards, held-out candidates), tokens/s "
+                     f"({k['tokens']:,} tokens) | {k['ours_tok_s']:,.0f} | {k['bare_tok_s']:,.0f} (bare "
+                     f"`encode_batch_fast`) | {k['ratio']:.2f}x | >= 0.9x |")
+    lines.append("")
+    if f is not None and f["top_disagreements"]:
         lines.append("Most frequent filter disagreements: "
                      + "; ".join(f"{k} ({v})" for k, v in f["top_disagreements"]))
         lines.append("")
