@@ -3,7 +3,7 @@
     <dir>/step_00000200/            a committed checkpoint (renamed from a temporary name when complete)
         manifest.json               written last: step, kind, base, layout, {file: size + xxh3_128}, bytes
         metadata.json, common.pt, tensors/rankN.bin|.json   megatron dist_checkpointing; raw tensor pieces
-        delta/rank00000.bin|.json   incremental checkpoints: XOR+zstd deltas against the base's tensors
+        delta/rank00000.bin|.json   incremental checkpoints: XOR deltas (byte planes) against the base's tensors
         train_state.pt, rng/rank00000.pt
     <dir>/.tmp-step_00000200-1a2b3c4d/   being written (never read; removed at start-up)
     <dir>/latest                    name of the newest committed checkpoint; moved after the rename

@@ -7,7 +7,7 @@ A save has three phases:
    copy runs beside the next forward/backward, and training waits for it only if it is not done when the
    optimizer is about to step (`wait_staged`);
 2. write (background thread): the AsyncRequest's write function (raw tensor bytes for full checkpoints,
-   XOR+zstd deltas for incremental ones; torch_dist for full ones with a flattened optimizer state);
+   XOR deltas in byte planes for incremental ones; torch_dist for full ones with a flattened optimizer state);
 3. finalize (all ranks, at a later step once every rank's write finished): megatron's finalize functions
    (global metadata), then rank 0 commits in its background thread: checksums, manifest, fsync, rename,
    `latest` (layout.commit).

@@ -1,7 +1,7 @@
 """megatron dist_checkpointing strategies for smoltrain's tensor files (`incremental.py`).
 
 RawSaveStrategy (full checkpoints) writes each rank's main-replica tensor pieces as raw bytes in one file
-with large sequential writes; DeltaSaveStrategy (incremental checkpoints) writes XOR+zstd deltas against
+with large sequential writes; DeltaSaveStrategy (incremental checkpoints) writes XOR deltas (byte planes) against
 the base's values. Both are async sharded-save strategies: `dist_checkpointing.save` still writes
 common.pt, sharded objects and metadata.json as usual. DeltaAwareLoadStrategy fills the requested
 tensors from a raw base by global region (any TP/PP/DP layout), or loads a torch_dist base (checkpoints
