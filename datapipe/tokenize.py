@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable
+from itertools import chain
 
 import numpy as np
 from datatrove.data import DocumentsPipeline
@@ -129,6 +130,7 @@ class TokenizeStep(PipelineStep):
             self._tok = load_tokenizer(self.tokenizer_path)
         tok = self._tok
         eos = tok.token_to_id(self.eos_token)
+        eos_t = (eos,)
         dtype = dtype_for_vocab(tok.get_vocab_size(with_added_tokens=True))
         sink = TaskShards(self.out, self.source_of_rank[rank], rank, dtype.name)
         counts: dict[str, int] = {}
@@ -179,17 +181,14 @@ class TokenizeStep(PipelineStep):
                     count("loss_tokens", int(mask.sum()))
                     sink.add_group(doc.id, [(doc.id, np.asarray(toks, dtype=dtype), mask)])
             else:
-                encs = tok.encode_batch_fast([d.text for d in batch], add_special_tokens=False)
-                flat: list[int] = []
-                for enc in encs:
-                    flat += enc.ids
-                    flat.append(eos)
-                arr = np.array(flat, dtype=dtype)  # one conversion per batch, not per document
-                off = 0
-                for doc, enc in zip(batch, encs):
-                    n = len(enc.ids) + 1
-                    sink.add_group(doc.id, [(doc.id, arr[off:off + n], None)])
-                    off += n
+                # `Encoding.ids` builds a new list on each access: read once; one conversion per batch
+                # (np.fromiter over the chained lists: half the cost of np.array on one flat list)
+                ids = [e.ids for e in tok.encode_batch_fast([d.text for d in batch], add_special_tokens=False)]
+                lengths = [len(x) + 1 for x in ids]
+                arr = np.fromiter(chain.from_iterable(x for i in ids for x in (i, eos_t)), dtype=dtype,
+                                  count=sum(lengths))
+                sink.add_documents([d.id for d in batch], arr, lengths)
+            self.stat_update("documents", value=len(batch))
             batch.clear()
 
         from datatrove.pipeline.writers.jsonl import JsonlWriter
@@ -198,7 +197,6 @@ class TokenizeStep(PipelineStep):
         try:
             with JsonlWriter(os.path.join(rej_dir, "tokenize"), output_filename="${rank}.jsonl.gz") as rej:
                 for doc in data:
-                    self.stat_update("documents")
                     batch.append(doc)
                     if len(batch) >= self.batch_size:
                         flush()

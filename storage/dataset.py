@@ -94,6 +94,25 @@ class SourceWriter:
         if self._pending >= self.block_tokens:
             self._flush_block()
 
+    def add_documents(self, tokens: np.ndarray, docs: list[tuple[str, int, int]]) -> None:
+        """Add documents without masks that lie in `tokens`, given as (doc_id, offset, length): the same
+        blocks as `add_document` for each in turn, for a batch at once."""
+        if docs and self._masked is None:
+            self._masked = False
+            self.info.kind = self._kind or "text"
+        if docs and self._masked:
+            raise ValueError(f"document {docs[0][0]!r}: a source's documents must all have a loss mask or none")
+        for doc_id, off, n in docs:
+            if n <= 0:
+                raise ValueError(f"document {doc_id!r} has no tokens (EOS must be appended)")
+            if self._pending and self._pending + n > self.block_tokens:
+                self._flush_block()
+            self._docs.append(tokens[off:off + n])
+            self._ids.append(str(doc_id))
+            self._pending += n
+            if self._pending >= self.block_tokens:
+                self._flush_block()
+
     def _flush_block(self) -> None:
         if not self._docs:
             return

@@ -12,6 +12,7 @@ reads it as is), so one block can be range-read without a scan.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import mmap
@@ -55,15 +56,15 @@ class IndexEntry:
     mask_offset: int = -1
     mask_size: int = 0
 
-    @property
+    @functools.cached_property
     def span(self) -> tuple[int, int]:
-        """(start, length) of one range read covering all members."""
-        parts = [(self.tokens_offset, self.tokens_size), (self.meta_offset, self.meta_size)]
+        """(start, length) of one range read covering all members (computed once: every block read and
+        every cache-cost estimate asks for it)."""
+        start = min(self.tokens_offset, self.meta_offset)
+        end = max(self.tokens_offset + self.tokens_size, self.meta_offset + self.meta_size)
         if self.mask_offset >= 0:
-            parts.append((self.mask_offset, self.mask_size))
-        start = min(o for o, _ in parts)
-        end = max(o + TAR_BLOCK + n for o, n in parts)
-        return start, end - start
+            start, end = min(start, self.mask_offset), max(end, self.mask_offset + self.mask_size)
+        return start, end + TAR_BLOCK - start
 
 
 def parse_index(text: str, shard: str) -> list[IndexEntry]:

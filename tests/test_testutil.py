@@ -1,4 +1,5 @@
-"""The test helpers that decide a verdict: run_killable's kill report, require's CI rule."""
+"""The test helpers that decide a verdict: run_killable's kill report, the CI rule of require and
+require_root."""
 from __future__ import annotations
 
 import sys
@@ -64,3 +65,14 @@ def test_require_skips_or_fails_under_ci(monkeypatch, ci):
     kind, msg = _outcome(testutil.corpus_path, "fortunes")
     assert kind is expect and "fortunes.jsonl.gz is absent" in msg
     assert testutil.require("json").dumps([1]) == "[1]"
+
+
+@pytest.mark.parametrize("ci", [False, True])
+def test_require_root_skips_or_fails_under_ci(monkeypatch, ci):
+    monkeypatch.setattr(testutil, "CI", ci)
+    monkeypatch.setattr(testutil.os, "geteuid", lambda: 1000)
+    kind, msg = _outcome(testutil.require_root, "the test Slurm cluster")
+    assert kind is (pytest.fail.Exception if ci else pytest.skip.Exception)
+    assert "the test Slurm cluster needs root, and this is uid 1000" in msg and msg.startswith("CI: ") == ci
+    monkeypatch.setattr(testutil.os, "geteuid", lambda: 0)
+    assert testutil.require_root("the test Slurm cluster") is None

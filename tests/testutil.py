@@ -60,6 +60,13 @@ def require_tool(name: str) -> str:
     return path
 
 
+def require_root(what: str) -> None:
+    """A test that needs root (e.g. to run Slurm's daemons); CI runs `make test` as root (its `make sysdeps`
+    installs packages with apt-get), so there a non-root run is a failure naming `what`, not a skip."""
+    if os.geteuid() != 0:
+        unavailable(f"{what} needs root, and this is uid {os.geteuid()}", "run the tests as root")
+
+
 def corpus_path(name: str) -> Path:
     """../shared/corpora/NAME.jsonl.gz beside the repo; see `unavailable` for when it is absent."""
     p = CORPORA / f"{name}.jsonl.gz"

@@ -49,7 +49,7 @@ def generate(hf_dir: Path, prompt: str, n: int = 24) -> str:
     from transformers import LlamaForCausalLM
 
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    model = LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    model = LlamaForCausalLM.from_pretrained(hf_dir, use_safetensors=True).eval()
     ids = torch.tensor([tok.encode(prompt).ids])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, do_sample=False)

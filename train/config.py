@@ -184,7 +184,7 @@ class DebugConfig:
     synthetic_data: bool = False     # random tokens generated in memory instead of data.dataset
     inject_nan_step: int = -1        # make the loss NaN at this step (tests the skip-and-count path)
     inject_spike_step: int = -1      # multiply the loss by 100 at this step (tests spike detection)
-    comm_delay_s: float = 0.0        # sleep this long inside every timed collective (tests comm_share)
+    comm_delay_s: float = 0.0        # slow network: collectives wait this long in the process group (tests comm_share)
     comm_delay_from_step: int = 1    # ...in steps from this one on (1-based, as logged)
 
     def validate(self) -> None:

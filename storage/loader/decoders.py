@@ -16,6 +16,7 @@ flight.
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import pickle
 import select
@@ -67,6 +68,8 @@ class DecoderPool:
         self._waiting: list[deque[Pending]] = [deque() for _ in range(processes)]
         self._next = 0
         pipes = [os.pipe() + os.pipe() for _ in range(processes)]  # (req_r, req_w, done_r, done_w)
+        # set by close(): decoders stop at once instead of decoding the prefetch requests still queued
+        self._closing = mmap.mmap(-1, mmap.PAGESIZE)
         self.pids, owner = [], os.getpid()
         for i in range(processes):
             pid = os.fork()
@@ -135,6 +138,7 @@ class DecoderPool:
                                "(killed, or out of memory?)")
 
     def close(self) -> None:
+        self._closing[0] = 1
         for fd in self.req_w:  # EOF: each decoder exits
             os.close(fd)
         for i, pid in enumerate(self.pids):
@@ -195,7 +199,7 @@ def _decoder_main(pool: DecoderPool, i: int, pipes, owner: int) -> None:
             if os.getppid() != owner:  # the owner died without closing (and another process holds its end)
                 return
         msg = _read_exact(req_r, _REQ.size)
-        if msg is None:
+        if msg is None or pool._closing[0]:
             return
         bid, slot = _REQ.unpack(msg)
         try:

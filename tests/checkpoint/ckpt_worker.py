@@ -131,6 +131,19 @@ def _delay_rank0_saves(seconds: float) -> None:
     dist_checkpointing.save = slow_save
 
 
+NO_RENDEZVOUS_ENV = "CKPT_WORKER_NO_RENDEZVOUS"  # negative control: train.checkpoint.save without its rendezvous
+
+
+def _drop_rendezvous() -> None:
+    """The factory of train.checkpoint.save._after_empty_check without its barrier (the code before the fix)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
+
+    from train.checkpoint import save
+
+    save._after_empty_check = lambda: ShardedTensorFactory(
+        save._RENDEZVOUS, torch.empty(0), lambda *a: LocalNonpersistentObject(None), lambda sub: sub, replica_id=0)
+
+
 def _capture_megatron_warnings() -> list[str]:
     """Messages megatron's dist_checkpointing logs at WARNING or above in this process."""
     import logging
@@ -174,6 +187,8 @@ def main():
     state = build(args)
     if os.environ.get(DELAY_ENV) and dist.get_rank() == 0:
         _delay_rank0_saves(float(os.environ[DELAY_ENV]))
+    if os.environ.get(NO_RENDEZVOUS_ENV):
+        _drop_rendezvous()
     megatron_warnings = _capture_megatron_warnings()
     cfg = CheckpointConfig(dir="ckpt", full_every=args.full_every, incremental_every=args.incremental_every,
                            keep_last=args.keep_last, keep_full_every=0, async_save=not args.sync,

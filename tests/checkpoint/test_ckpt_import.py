@@ -191,9 +191,20 @@ def test_generate_is_greedy_deterministic_and_equals_transformers(imported, tmp_
     assert want[0, len(a.prompt_ids):].tolist() == a.new_ids
     hf = generate(folder, "hello there", system="be brief", max_new_tokens=12)  # the HF folder: same path
     assert hf.new_ids == a.new_ids and hf.prompt_ids == a.prompt_ids
-    sampled = [generate(ck, "hi", temperature=1.0, top_p=0.9, seed=s, max_new_tokens=8, loaded=loaded).new_ids
+    # seeded sampling: the same seed repeats, another seed differs, and seed 3's sample is the one transformers
+    # draws from the exported folder after torch.manual_seed(3) with the same temperature and top_p
+    sampled = [generate(ck, "hi", temperature=0.7, top_p=0.9, seed=s, max_new_tokens=8, loaded=loaded)
                for s in (3, 3, 4)]
-    assert sampled[0] == sampled[1]
+    assert sampled[0].new_ids == sampled[1].new_ids != sampled[2].new_ids
+    from transformers import GenerationConfig
+
+    x = torch.tensor([sampled[0].prompt_ids])
+    torch.manual_seed(3)
+    with torch.no_grad():
+        want = ref.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(
+            max_new_tokens=8, do_sample=True, temperature=0.7, top_p=0.9, eos_token_id=sampled[0].stop_ids,
+            pad_token_id=sampled[0].stop_ids[0]))
+    assert want[0, x.shape[1]:].tolist() == sampled[0].new_ids
     r = CliRunner().invoke(main, ["generate", ck, "--chat", "hello there", "--system", "be brief",
                                   "--max-new-tokens", "12"])
     assert r.exit_code == 0 and r.output.strip() == a.text.strip(), r.output

@@ -13,7 +13,9 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -90,10 +92,36 @@ def _weights(path):
     return llama_weights(str(path))[0]
 
 
+def _raw_model_tensors(ckpt: str) -> dict[str, torch.Tensor]:
+    """Whole model tensors (megatron keys) of a raw full checkpoint, read here from its rank files with
+    numpy, not with the readers the merge itself uses (PieceSet, export_hf.llama_weights): every piece is
+    put at its global offset and every element must be written exactly once."""
+    out, seen = {}, {}
+    for index in sorted((Path(ckpt) / "tensors").glob("rank*.json")):
+        blob = np.fromfile(index.with_suffix(".bin"), dtype=np.uint8)
+        for e in json.loads(index.read_text())["entries"]:
+            if e["key"].startswith("optimizer"):
+                continue
+            assert e["codec"] == "raw", e
+            dtype = getattr(torch, e["dtype"])
+            go, shape = e["global_offset"], e["shape"]
+            ext = [1] * (len(go) - len(shape)) + shape  # pieces may leave out leading (stacked-layer) axes
+            piece = torch.frombuffer(bytearray(blob[e["offset"]:e["offset"] + e["nbytes"]]), dtype=dtype)
+            region = tuple(slice(o, o + n) for o, n in zip(go, ext, strict=True))
+            t = out.setdefault(e["key"], torch.zeros(e["global_shape"], dtype=dtype))
+            count = seen.setdefault(e["key"], torch.zeros(e["global_shape"], dtype=torch.int8))
+            t[region] = piece.reshape(ext)
+            count[region] += 1
+    for k, count in seen.items():
+        assert bool((count == 1).all()), f"{ckpt}: {k}: pieces do not cover the tensor exactly once"
+    assert out, f"{ckpt}: no model tensors"
+    return out
+
+
 def _expect_average(out: str, inputs: list[tuple[str, float]]) -> None:
     """The merged checkpoint's tensors equal Σ w × t in float64 (inputs in order), cast: bit for bit."""
-    got = _weights(out)
-    ws = [(_weights(p), w) for p, w in inputs]
+    got = _raw_model_tensors(out)
+    ws = [(_raw_model_tensors(p), w) for p, w in inputs]
     assert sorted(got) == sorted(ws[0][0])
     for k, v in got.items():
         want = ws[0][0][k].double() * ws[0][1]
@@ -155,7 +183,7 @@ def test_soup_of_three_is_the_mean(merged):
     assert "merged 3 checkpoints (soup)" in output
     inputs = [p for p, _ in weighted]
     _expect_average(out, weighted)
-    got, ws = _weights(out), [_weights(p) for p in inputs]
+    got, ws = _raw_model_tensors(out), [_raw_model_tensors(p) for p in inputs]
     for k in got:
         assert torch.allclose(got[k].double(), torch.stack([w[k].double() for w in ws]).mean(0), rtol=0, atol=1e-7)
     prov = json.load(open(os.path.join(out, "manifest.json")))["meta"]["merge"]

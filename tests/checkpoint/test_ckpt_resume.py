@@ -70,7 +70,31 @@ def assert_same_trace(got, ref, first):
         assert got["steps"][str(s)] == ref["steps"][str(s)], f"step {s} differs"
 
 
+class RunsCode:
+    """Pickles as a call of os.system: what a checkpoint from someone else could hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant(ckpt: Path, rel: str, obj) -> None:
+    """Replace a checkpoint file and its manifest entry, as whoever made the checkpoint could."""
+    import torch
+    import xxhash
+
+    torch.save(obj, ckpt / rel)
+    data = (ckpt / rel).read_bytes()
+    m = json.loads((ckpt / "manifest.json").read_text())
+    m["files"][rel] = {**m["files"][rel], "size": len(data), "xxh3_128": xxhash.xxh3_128_hexdigest(data)}
+    (ckpt / "manifest.json").write_text(json.dumps(m))
+
+
 def test_resume_from_incremental_is_bit_exact_and_broken_ones_are_skipped(reference, tmp_path):
+    """Skipped: a corrupted delta, a missing file, and pickles that would run code (train_state.pt, an RNG
+    file; their manifests list them with the right checksums): never loaded, one line naming each."""
     ref_run, ref = reference
     copy_run(ref_run, tmp_path)
     ckpt = tmp_path / "ckpt"
@@ -79,19 +103,32 @@ def test_resume_from_incremental_is_bit_exact_and_broken_ones_are_skipped(refere
     data[len(data) // 2] ^= 0x01
     blob.write_bytes(data)
     (ckpt / "step_00000008" / "common.pt").unlink()
+    marker = tmp_path / "code-ran"
+    plant(ckpt / "step_00000010", "train_state.pt", {"step": 10, "extra": RunsCode(marker)})
+    plant(ckpt / "step_00000008", "rng/rank00001.pt", {"python": RunsCode(marker)})
     got = run_worker(tmp_path, 10, extra=["--distopt", "--resume"])
     assert got["resumed"] and got["start"] == 6  # step_6 is incremental on step_4
     assert "step_00000010/delta/rank00000.bin: checksum mismatch" in got["skipped"][0]
+    refusal = ": refused to load: it would call posix.system, which is neither a tensor nor plain data"
+    assert f"step_00000010/train_state.pt{refusal}" in got["skipped"][0]
     assert "step_00000008/common.pt: file is missing" in got["skipped"][1]
+    assert f"step_00000008/rng/rank00001.pt{refusal}" in got["skipped"][1]
+    assert all("\n" not in msg for msg in got["skipped"])
+    assert not marker.exists()
     assert_same_trace(got, ref, 7)  # loss, grad norm and loader position
 
 
-def test_no_overwriting_warning_on_healthy_async_saves(reference):
+def test_no_overwriting_warning_on_healthy_async_saves(reference, tmp_path):
     """megatron's save() checks on rank 0 alone that the folder is empty; rank 0 entered each of the 5
     saves 0.3 s after the other rank, which without train.checkpoint.save's rendezvous wrote its files
     into the folder first and made megatron warn "Overwriting old incomplete / corrupted checkpoint"."""
     _, ref = reference
     assert ref["megatron_warnings"] == [], ref["megatron_warnings"]
+    # negative control: the same late rank 0 without the rendezvous (two saves: the first is immune) makes
+    # megatron warn, and the worker's capture sees it
+    got = run_worker(tmp_path, 4, extra=["--distopt"],
+                     env={"CKPT_WORKER_RANK0_SAVE_DELAY_S": "0.3", "CKPT_WORKER_NO_RENDEZVOUS": "1"})
+    assert any("Overwriting old incomplete" in w for w in got["megatron_warnings"]), got["megatron_warnings"]
 
 
 def test_distopt_step_sharing_fix_matters(reference, tmp_path):

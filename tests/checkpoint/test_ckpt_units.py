@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 
 import fsspec
+import numpy as np
 import pytest
 import torch
+import zstandard
 from click.testing import CliRunner
 
 from storage.config import ConfigError, from_dict
@@ -19,26 +22,51 @@ from train.checkpoint.incremental import Piece, PieceSet, bits, decode, encode, 
 LOCAL = fsspec.filesystem("file")
 
 
+def _roundtrip(new: np.ndarray, base: np.ndarray | None) -> tuple[str, list, np.ndarray | None]:
+    codec, records, bufs = encode(new, base)
+    e = {"key": "t", "codec": codec, "shape": list(new.shape), "chunks": records}
+    return codec, records, decode(e, b"".join(bytes(b) for b in bufs), new.dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
-def test_delta_roundtrip_is_lossless(dtype):
+def test_delta_roundtrip_is_lossless(dtype, monkeypatch):
+    from train.checkpoint import incremental
+
+    monkeypatch.setattr(incremental, "CHUNK_ELEMS", 128)  # 5 chunks; the first one unchanged
     g = torch.Generator().manual_seed(0)
     base = (torch.randn(33, 17, generator=g) * 5).to(dtype)
     new = base.clone()
-    new[3:9] = ~base[3:9] if dtype == torch.bool else (torch.randn(6, 17, generator=g) * 5).to(dtype)
+    new[9:20] = ~base[9:20] if dtype == torch.bool else (torch.randn(11, 17, generator=g) * 5).to(dtype)
     nb, bb = bits(new), bits(base)
-    codec, blob = encode(nb, bb)
-    assert codec == "xor-zstd"
-    assert (bb ^ decode(codec, blob, bb.dtype, nb.shape) == nb).all()
-    assert encode(bb, bits(base.clone())) == ("same", b"")
-    codec, blob = encode(nb, None)
-    assert codec == "zstd" and (decode(codec, blob, nb.dtype, nb.shape) == nb).all()
+    codec, records, d = _roundtrip(nb, bb)
+    assert codec == "xor-planes" and [r[0] for r in records] == [128, 128, 128, 128, 49]
+    assert records[0][1] == "same" and records[1][1] != "same" and len(records[1]) == 1 + nb.itemsize
+    assert (bb ^ d == nb).all()
+    assert encode(bb, bits(base.clone()))[0] == "same"
+    codec, _, d = _roundtrip(nb, None)
+    assert codec == "planes" and (d == nb).all()
+
+
+def test_planes_that_do_not_shrink_are_stored_raw_and_old_deltas_still_decode():
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(1 << 19).astype(np.float32)  # 2 MiB: planes over the sample size
+    new = base * np.float32(1.001) + rng.standard_normal(len(base)).astype(np.float32) * np.float32(1e-3)
+    nb, bb = new.view(np.int32), base.view(np.int32)
+    codec, records, d = _roundtrip(nb, bb)
+    (n, *planes), = records
+    assert [m for m, _ in planes[:2]] == ["raw", "raw"] and planes[3][0] == "zstd"  # random low bytes, exponents
+    assert planes[3][1] < 0.5 * n and (bb ^ d == nb).all()
+    # incremental checkpoints written before byte planes: zstd of the whole byte-shuffled XOR pattern
+    x = nb ^ bb
+    old = zstandard.ZstdCompressor(level=3).compress(np.ascontiguousarray(x.view(np.uint8).reshape(-1, 4).T).tobytes())
+    assert (decode({"key": "t", "codec": "xor-zstd", "shape": [len(x)]}, old, np.int32) == x).all()
 
 
 def test_nan_and_negative_zero_survive_bitwise():
     base = torch.tensor([0.0, 1.0, float("nan"), -0.0])
     new = torch.tensor([-0.0, float("nan"), 1.0, 0.0])
-    codec, blob = encode(bits(new), bits(base))
-    got = torch.from_numpy(bits(base) ^ decode(codec, blob, bits(base).dtype, (4,))).view(torch.float32)
+    _, _, d = _roundtrip(bits(new), bits(base))
+    got = torch.from_numpy(bits(base) ^ d).view(torch.float32)
     assert torch.equal(got.view(torch.int32), new.view(torch.int32))
 
 
@@ -95,8 +123,7 @@ def _fake_ckpt(root, step, kind="full", base=None, payload=b"x" * 1000):
     os.makedirs(os.path.join(tmp, "sub"))
     with open(os.path.join(tmp, "sub", "data.bin"), "wb") as f:
         f.write(payload + bytes([step % 256]))
-    with open(os.path.join(tmp, "common.pt"), "wb") as f:
-        f.write(b"common")
+    torch.save({"common": step}, os.path.join(tmp, "common.pt"))
     return layout.commit(tmp, str(root), step, kind, base, {"tensor_bytes": {"written": 10, "full": 40}})
 
 
@@ -122,6 +149,76 @@ def test_commit_is_atomic_and_verify_finds_flips_truncation_and_missing_files(tm
     assert "common.pt: file is missing" in layout.verify(LOCAL, str(tmp_path), "step_00000004", chain=False)[0]
     (tmp_path / "step_00000004" / "manifest.json").write_text("{trunc")
     assert "not valid JSON" in layout.verify(LOCAL, str(tmp_path), "step_00000004")[0]
+
+
+class RunsCode:
+    """Pickles as a call of os.system (the files of a checkpoint from someone else could hold one)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_checkpoint_pickles_load_without_running_code(tmp_path):
+    """train_state.pt / rng files / megatron's common.pt (safe_load.load_torch, layout.verify) and
+    torch_dist's .metadata and bytes items (safe_load.install) refuse a pickle that would run code, with
+    one line naming the file; real ones (an RNG file of the old format too) load."""
+    import random
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    from train.checkpoint import safe_load, state_io
+
+    marker = tmp_path / "code-ran"
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    torch.save(state_io.rng_state(), tmp_path / "rng.pt")
+    want = (random.random(), np.random.rand(), torch.rand(1).item())
+    state_io.set_rng_state(safe_load.load_torch(str(tmp_path / "rng.pt")))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+    old = {**state_io.rng_state(), "numpy": np.random.get_state()}  # before RNG files held tensors
+    torch.save(old, tmp_path / "old.pt")
+    np.testing.assert_array_equal(safe_load.load_torch(str(tmp_path / "old.pt"))["numpy"][1], old["numpy"][1])
+    torch.save({"step": 3, "extra": RunsCode(marker)}, tmp_path / "train_state.pt")
+    with pytest.raises(layout.CheckpointError) as e:
+        safe_load.load_torch(str(tmp_path / "train_state.pt"))
+    assert str(e.value) == (f"{tmp_path}/train_state.pt: refused to load: it would call posix.system, which is "
+                            "neither a tensor nor plain data")
+    # verify reports it (resume then skips the checkpoint), whatever the manifest's checksums say
+    ckpt = tmp_path / "ckpts"
+    _fake_ckpt(ckpt, 2)
+    tmp = layout.tmp_dir_for(str(ckpt), 4)
+    os.makedirs(os.path.join(tmp, "rng"))
+    torch.save({"python": RunsCode(marker)}, os.path.join(tmp, "rng", "rank00001.pt"))
+    torch.save({"common": 4}, os.path.join(tmp, "common.pt"))
+    layout.commit(tmp, str(ckpt), 4, "full", None, {})
+    assert layout.verify(LOCAL, str(ckpt), "step_00000002") == []
+    assert layout.verify(LOCAL, str(ckpt), "step_00000004") == [
+        f"{ckpt}/step_00000004/rng/rank00001.pt: refused to load: it would call posix.system, which is neither a "
+        "tensor nor plain data"]
+    # torch_dist (torch.distributed.checkpoint): a sharded object is a bytes item of a .distcp file, read by
+    # torch with weights_only=False; the .metadata is a plain pickle
+    safe_load.install()
+    dcp.save({"w": torch.arange(4.0), "obj": "hello"}, checkpoint_id=str(tmp_path / "dcp"))
+    got = {"w": torch.zeros(4), "obj": None}
+    dcp.load(got, checkpoint_id=str(tmp_path / "dcp"))
+    assert torch.equal(got["w"], torch.arange(4.0)) and got["obj"] == "hello"
+    dcp.save({"w": torch.arange(4.0), "obj": RunsCode(marker)}, checkpoint_id=str(tmp_path / "evil"))
+    with pytest.raises(dcp.api.CheckpointException) as e:
+        dcp.load({"w": torch.zeros(4), "obj": None}, checkpoint_id=str(tmp_path / "evil"))
+    failure = e.value.failures[0][0]  # torch collects (exception, traceback) per rank
+    assert isinstance(failure, layout.CheckpointError)
+    assert str(failure) == ("bytes item obj: refused to load: it would call posix.system, which is neither a "
+                            "tensor nor plain data")
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(dcp.api.CheckpointException) as e:
+        dcp.load(got, checkpoint_id=str(tmp_path / "dcp"))
+    assert f"{tmp_path}/dcp/.metadata: refused to load: it would call posix.system" in str(e.value.failures[0][0])
+    assert not marker.exists()
 
 
 def test_stale_tmp_folders_are_removed(tmp_path):

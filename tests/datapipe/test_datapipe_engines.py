@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from testutil import free_port, read_corpus, require, unavailable, write_jsonl
+from testutil import free_port, read_corpus, require, require_root, unavailable, write_jsonl
 
 from datapipe.config import BuildConfig
 from datapipe.pipeline import Build
@@ -36,8 +36,7 @@ def slurm_cluster(tmp_path_factory):
     if not all(daemons) or not shutil.which("sbatch"):
         unavailable("Slurm is not installed (munged, slurmctld, slurmd, sbatch)", "run make sysdeps as root",
                     installed_here=os.geteuid() == 0 and shutil.which("apt-get") is not None)
-    if os.geteuid() != 0:
-        pytest.skip("the test Slurm cluster runs its daemons as root (slurmd starts jobs as their user)")
+    require_root("the test Slurm cluster (slurmd starts jobs as their user)")
     d = tmp_path_factory.mktemp("slurm")
     for sub in ("munge", "state", "spool", "log"):
         (d / sub).mkdir(mode=0o700)

@@ -3,8 +3,10 @@ and format 1 data and manifests still loading."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import tarfile
+from pathlib import Path
 
 import lz4.frame
 import numpy as np
@@ -16,7 +18,7 @@ from storage.shard_writer import ShardWriter
 from storage.shards import ShardError, ShardReader, decode_mask, iter_shard, parse_index, scan_index
 from storage.config import ConfigError
 
-from testutil import require_tool, write_random_dataset
+from testutil import require_tool
 
 KEY = "shard-000000_{:06d}"
 
@@ -162,18 +164,88 @@ def test_source_writer_dataset_and_manifest(tmp_path):
         m.validate()
 
 
+FORMAT1 = Path(__file__).parent / "format1_dataset"  # written by the format 1 code: see its README.md
+
+
+def _stock_blocks(shard: Path, dtype: np.dtype) -> list[tuple[bytes, dict]]:
+    """(decoded token bytes, JSON metadata) per block of a shard, read with tarfile + lz4 alone."""
+    out = []
+    with tarfile.open(shard) as tar:
+        members = tar.getmembers()
+        assert len(members) % 2 == 0
+        for tok, meta in zip(members[::2], members[1::2], strict=True):
+            assert tok.name.endswith(".tokens.lz4") and meta.name == tok.name[:-len("tokens.lz4")] + "json"
+            raw = lz4.frame.decompress(tar.extractfile(tok).read())
+            assert len(raw) % dtype.itemsize == 0
+            out.append((raw, json.loads(tar.extractfile(meta).read())))
+    return out
+
+
 def test_format1_dataset_still_loads(tmp_path):
-    root = str(tmp_path / "v1")
-    write_random_dataset(root, {"web": 30})
-    m = read_manifest(root)
-    assert m.format_version == 1 and m.sources["web"].kind == "text" and m.chat_template is None
-    raw = json.loads((tmp_path / "v1" / "manifest.json").read_text())
-    for src in raw["sources"].values():  # a manifest written before `kind` and `chat_template` existed
-        src.pop("kind", None)
-    raw.pop("chat_template", None)
-    (tmp_path / "v1" / "manifest.json").write_text(json.dumps(raw))
-    ds = Dataset.open(root)
-    b = ds.readers["web"][0].read_block(0)
-    assert b.mask is None and len(b.tokens)
-    assert all(len(d) == 3 and d[2] is None for d in iter_documents(root, ds.manifest.sources["web"].shards,
-                                                                    with_mask=True))
+    import hashlib
+
+    import torch
+
+    from storage.loader import LoaderConfig, TokenLoader
+
+    # the fixture is byte for byte what the format 1 code wrote
+    listed = dict(reversed(line.split("  ", 1)) for line in (FORMAT1 / "SHA256SUMS").read_text().splitlines())
+    files = {str(p.relative_to(FORMAT1)) for p in FORMAT1.rglob("*") if p.is_file()}
+    assert files == set(listed) | {"SHA256SUMS", "README.md"}
+    for name, digest in listed.items():
+        assert hashlib.sha256((FORMAT1 / name).read_bytes()).hexdigest() == digest, name
+    root = tmp_path / "v1"
+    shutil.copytree(FORMAT1, root)  # nothing below may write into the repository
+    raw = json.loads((root / "manifest.json").read_text())
+    assert raw["format_version"] == 1 and "chat_template" not in raw
+    assert all("kind" not in src for src in raw["sources"].values())  # written before `kind` existed
+    m = read_manifest(str(root))
+    assert m.format_version == 1 and m.chat_template is None
+    assert {n: s.kind for n, s in m.sources.items()} == {"web": "text", "docs": "text"}
+    dtype = np.dtype(m.tokenizer.dtype).newbyteorder("<")
+
+    # every block (training and held-out): today's readers give the stock decoder's bytes and no mask,
+    # and today's writer, given the same blocks, writes the format 1 shard and index byte for byte
+    ds = Dataset.open(str(root))
+    blocks = {}  # source → decoded blocks in shard order (the loader check below)
+    n_blocks = 0
+    for infos, readers in ((m.sources, ds.readers), (m.validation, ds.validation_readers)):
+        assert set(readers) == {"web", "docs"}
+        for name, src in infos.items():
+            for sh, reader in zip(src.shards, readers[name], strict=True):
+                stock = _stock_blocks(root / sh.path, dtype)
+                assert len(stock) == len(reader) == sh.blocks
+                seq = list(iter_shard(str(root / sh.path), sh.sha256))
+                rewritten = tmp_path / "rewrite" / sh.path
+                with ShardWriter(str(rewritten), m.tokenizer.dtype, name) as w:
+                    for k, (tokens, meta) in enumerate(stock):
+                        for b in (reader.read_block(k), seq[k]):
+                            assert b.mask is None and b.tokens.dtype == dtype and b.tokens.tobytes() == tokens
+                            assert (b.doc_ids, b.offsets, b.source) == (meta["doc_ids"], meta["offsets"], name)
+                        w.add_block(np.frombuffer(tokens, dtype), meta["doc_ids"], meta["offsets"])
+                        if infos is m.sources:
+                            blocks.setdefault(name, []).append(np.frombuffer(tokens, dtype).astype(np.int64))
+                        n_blocks += 1
+                assert rewritten.read_bytes() == (root / sh.path).read_bytes(), sh.path
+                idx = sh.path + ".idx"
+                assert (tmp_path / "rewrite" / idx).read_bytes() == (root / idx).read_bytes(), idx
+            docs = list(iter_documents(str(root), src.shards, with_mask=True))
+            assert len(docs) == src.documents and all(d[2] is None for d in docs)
+    assert n_blocks == sum(s.blocks for src in (*m.sources.values(), *m.validation.values()) for s in src.shards)
+
+    # today's loader over the format 1 manifest's two-phase mix: every row is the seq_len + 1 tokens its
+    # (source, position) names in that source's block stream, rebuilt here from the stock decoder's blocks
+    seq_len, G, n_batches = 64, 8, 24
+    with TokenLoader(LoaderConfig(dataset=str(root), seq_len=seq_len, seed=3, shuffle_window=8,
+                                  prefetch_threads=2, decode_processes=0), G) as loader:
+        rows = torch.cat([next(loader).clone() for _ in range(n_batches)]).numpy()
+        srcs, curs = loader.assignments(0, len(rows))
+        orders = loader.orders
+    assert set(srcs.tolist()) == {0, 1}  # both sources were drawn
+    names = [o.name for o in orders]
+    streams: dict = {}
+    for row, s, k in zip(rows, srcs, curs, strict=True):
+        epoch, q = orders[s].position(int(k))
+        if (s, epoch) not in streams:
+            streams[s, epoch] = np.concatenate([blocks[names[s]][b] for b in orders[s]._epoch(epoch)[0]])
+        np.testing.assert_array_equal(row, streams[s, epoch][q * seq_len: q * seq_len + seq_len + 1])

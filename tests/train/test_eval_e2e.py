@@ -57,18 +57,38 @@ def run(tmp_path_factory):
     return root
 
 
-def _eval(run_root: Path, name: str, nproc: int, *sets: str) -> dict:
-    out = run_root / name
-    args = ["train.cli", "eval", str(run_root / "run"), "--tasks", ",".join(TASKS), "--limit", str(LIMIT),
-            "--validation-tokens", "4096", "--nproc", str(nproc), "--out", str(out)]
-    for s in sets:
-        args += ["--set", s]
-    r = _cli(*args)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads((out / "step_00000040.json").read_text())
+def _evals(run_root: Path, layouts: dict[str, tuple]) -> dict[str, dict]:
+    """`train eval` of the step-40 checkpoint under each layout {name: (nproc, *--set overrides)}, two at a
+    time (their start-up, imports and model building, is mostly one core each)."""
+    names, out = list(layouts), {}
+    for pair in (names[i:i + 2] for i in range(0, len(names), 2)):
+        procs = {}
+        for name in pair:
+            nproc, *sets = layouts[name]
+            args = ["train.cli", "eval", str(run_root / "run"), "--tasks", ",".join(TASKS), "--limit", str(LIMIT),
+                    "--validation-tokens", "4096", "--nproc", str(nproc), "--out", str(run_root / name)]
+            for s in sets:
+                args += ["--set", s]
+            procs[name] = subprocess.Popen([sys.executable, "-m", *args], env=_env(), cwd=REPO, text=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for name, p in procs.items():
+            stdout, stderr = p.communicate(timeout=600)
+            assert p.returncode == 0, (name, stdout[-3000:] + stderr[-3000:])
+            out[name] = json.loads((run_root / name / "step_00000040.json").read_text())
+    return out
 
 
-def test_in_loop_evaluation_is_logged(run):
+@pytest.fixture(scope="module")
+def evaluated(run):
+    """`train eval RUN --all` with the in-loop evaluation's settings (piqa, 10 items, 4096 validation
+    tokens): results for both checkpoints in RUN/run/eval/."""
+    r = _cli("train.cli", "eval", str(run / "run"), "--all", "--tasks", "piqa", "--limit", "10",
+             "--validation-tokens", "4096")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {s: json.loads((run / "run" / "eval" / f"step_{s:08d}.json").read_text()) for s in (20, 40)}
+
+
+def test_in_loop_evaluation_is_logged(run, evaluated):
     recs = [json.loads(x) for x in (run / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in recs if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [20, 40]
@@ -78,6 +98,15 @@ def test_in_loop_evaluation_is_logged(run):
             assert key in r, key
         assert r["val/all/ppl"] == pytest.approx(math.exp(r["val/all/loss"]))
         assert 0 < r["val/all/bpb"] < r["val/all/loss"] / math.log(2)  # a token holds more than one byte
+        # the numbers `train eval` gives for the checkpoint of that step (another layout: TP1 there, TP2 here)
+        ref = evaluated[r["step"]]["metrics"]
+        assert {k for k in r if k.startswith(("val/", "eval/"))} == {k for k in ref if k.startswith(("val/", "eval/"))}
+        for k in ref:
+            if k.startswith("val/"):
+                assert r[k] == pytest.approx(ref[k], rel=1e-5), (r["step"], k)
+            elif k.startswith("eval/"):
+                assert r[k] == ref[k], (r["step"], k)
+    assert evals[0]["val/all/loss"] != pytest.approx(evals[1]["val/all/loss"], rel=1e-3)  # the model moved on
     assert evals[1]["val/all/loss"] < math.log(2048)  # learnt something on held-out text
     assert all("eval_time_s" not in r for r in recs if "loss" in r)  # kept out of training records
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -91,8 +120,7 @@ def test_same_numbers_under_every_layout_and_parity_with_lm_eval(run):
     from storage.evaltasks import load_task
     from train.eval.lmeval import run_lmeval
 
-    layouts = {"dp1": _eval(run, "dp1", 1), "dp2": _eval(run, "dp2", 2),
-               "tp2": _eval(run, "tp2", 2, "parallel.tp=2"), "pp2": _eval(run, "pp2", 2, "parallel.pp=2")}
+    layouts = _evals(run, {"dp1": (1,), "dp2": (2,), "tp2": (2, "parallel.tp=2"), "pp2": (2, "parallel.pp=2")})
     ref = layouts["dp1"]["metrics"]
     val_keys = [k for k in ref if k.startswith("val/")]
     assert {"val/docs/loss", "val/books/loss", "val/all/bpb"} <= set(val_keys)
@@ -107,36 +135,39 @@ def test_same_numbers_under_every_layout_and_parity_with_lm_eval(run):
     for task in TASKS:
         items = load_task(task, LIMIT).items
         ref = run_lmeval(str(run / "hf"), f"parity_{task}", items, str(run / "lmeval"))
+        assert len(ref["logliks"]) == len(items) == LIMIT
         n_items += len(items)
-        for name in ("tp2", "pp2"):
-            ours = layouts[name]["tasks"][task]
-            assert ours["item_ids"] == [it.item_id for it in items]
-            flat_ours = [x for ll in ours["logliks"] for x in ll]
-            flat_ref = [x for ll in ref["logliks"] for x in ll]
-            assert max(abs(a - b) for a, b in zip(flat_ours, flat_ref)) < 1e-4, (task, name)
-            assert ours["metrics"]["acc"] == ref["acc"] and ours["metrics"]["acc_norm"] == ref["acc_norm"]
+        for name, res in layouts.items():  # every layout: each item once, in order, each candidate's score
+            ours = res["tasks"][task]
+            assert ours["item_ids"] == [it.item_id for it in items] and ours["metrics"]["items"] == len(items)
+            assert len(ours["logliks"]) == len(items), (task, name)
+            for it, ll, want in zip(items, ours["logliks"], ref["logliks"], strict=True):
+                assert len(ll) == len(want) == len(it.requests), (task, name, it.item_id)
+                assert max(abs(a - b) for a, b in zip(ll, want, strict=True)) < 1e-4, (task, name, it.item_id)
+            assert ours["metrics"]["acc"] == ref["acc"] and ours["metrics"]["acc_norm"] == ref["acc_norm"], (task, name)
+            assert res["metrics"][f"eval/{task}/acc"] == ref["acc"]
     assert n_items >= 200
     # `train eval --hf` on the same folder: the transformers backend gives the Megatron numbers too
     r = _cli("train.cli", "eval", "--hf", str(run / "hf"), "--tasks", "piqa", "--limit", "10", "--out",
              str(run / "hf_eval.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     hf = json.loads((run / "hf_eval.json").read_text())["tasks"]["piqa"]
-    ours = dict(zip(layouts["tp2"]["tasks"]["piqa"]["item_ids"], layouts["tp2"]["tasks"]["piqa"]["logliks"]))
-    for item_id, ll in zip(hf["item_ids"], hf["logliks"]):
-        assert ll == pytest.approx(ours[item_id], abs=1e-4)
+    assert hf["item_ids"] == [it.item_id for it in load_task("piqa", 10).items]  # (a subset of the 70 above)
+    assert len(hf["logliks"]) == len(set(hf["item_ids"])) == hf["metrics"]["items"] == 10
+    tp2 = layouts["tp2"]["tasks"]["piqa"]
+    ours = dict(zip(tp2["item_ids"], tp2["logliks"], strict=True))
+    for item_id, ll in zip(hf["item_ids"], hf["logliks"], strict=True):
+        assert len(ll) == len(ours[item_id]) and ll == pytest.approx(ours[item_id], abs=1e-4), item_id
 
 
-def test_table_and_plot(run):
-    r = _cli("train.cli", "eval", str(run / "run"), "--all", "--tasks", "piqa", "--limit", "10",
-             "--validation-tokens", "1024")
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_table_and_plot(run, evaluated):
     r = _cli("train.cli", "eval", "--table", str(run / "run"))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].split()[:5] == ["checkpoint", "step", "tokens", "val", "loss"] and "piqa" in lines[0]
     rows = [ln.split() for ln in lines[1:] if ln.startswith("step_")]
     assert [row[0] for row in rows] == ["step_00000020", "step_00000040"]
-    res = json.loads((run / "run" / "eval" / "step_00000040.json").read_text())
+    res = evaluated[40]
     assert float(rows[1][3]) == pytest.approx(res["metrics"]["val/all/loss"], abs=1e-4)
     assert float(rows[1][5]) == pytest.approx(res["tasks"]["piqa"]["metrics"]["acc_norm"], abs=1e-3)
     r = _cli("train.cli", "plot", str(run / "run"))

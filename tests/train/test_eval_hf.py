@@ -49,6 +49,53 @@ def test_export_writes_a_complete_hf_folder(tiny_hf):
         assert (hf(ids).logits - model(ids).logits).abs().max().item() < 1e-5
 
 
+class RunsCode:
+    """Pickles as a call of os.system: what a pytorch_model.bin from someone else could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_hf_folders_are_read_without_running_their_code(exported, tmp_path):
+    """`train eval --hf`, `train generate` and `train ckpt import` read safetensors only and never run a
+    folder's own code (config.json's auto_map), whoever made the folder."""
+    from safetensors.torch import load_file
+
+    from train.checkpoint.import_hf import ImportError_, weight_files
+    from train.eval.hf import load_hf
+    from train.generation.load import load
+
+    folder, _, _ = exported
+    marker = tmp_path / "code-ran"
+    pickled = tmp_path / "pickled"  # weights as a pickle only
+    shutil.copytree(folder, pickled)
+    weights = load_file(str(pickled / "model.safetensors"))
+    os.remove(pickled / "model.safetensors")
+    torch.save({**weights, "extra": RunsCode(marker)}, pickled / "pytorch_model.bin")
+    for fn in (load_hf, load):
+        with pytest.raises(FileNotFoundError, match=f"{pickled}: no model.safetensors .*never pickled ones"):
+            fn(str(pickled))
+    remote = tmp_path / "remote"  # a config that asks for the folder's own model code
+    shutil.copytree(folder, remote)
+    (remote / "evil_model.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+                                          "from transformers import LlamaForCausalLM as EvilForCausalLM\n")
+    cfg = json.loads((remote / "config.json").read_text())
+    (remote / "config.json").write_text(json.dumps({**cfg, "auto_map": {
+        "AutoModelForCausalLM": "evil_model.EvilForCausalLM"}}))
+    model = load_hf(str(remote))[0]
+    assert type(model).__module__.startswith("transformers.")  # transformers' own Llama
+    shutil.copy(remote / "model.safetensors", remote / "part.safetensors")
+    os.remove(remote / "model.safetensors")
+    (remote / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "part.safetensors", "lm_head.weight": "../x.safetensors"}}))
+    with pytest.raises(ImportError_, match="weight_map names '../x.safetensors', not a .safetensors file in"):
+        weight_files(str(remote))
+    assert not marker.exists()
+
+
 def test_eos_comes_from_the_dataset_manifest(tmp_path):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel

@@ -22,7 +22,7 @@ def _ckpt(run: Path, step: int) -> Path:
 def _rec(name: str, step: int, loss: float, acc: float, label: str | None = None, at: float | None = None) -> dict:
     rec = {"checkpoint": name, "path": f"/x/{name}", "step": step, "consumed_tokens": step * 1000,
            "metrics": {"val/all/loss": loss, "val/all/bpb": loss / 2},
-           "tasks": {"piqa": {"metrics": {"acc": acc, "acc_norm": acc}}}}
+           "tasks": {"piqa": {"metrics": {"acc": acc, "acc_norm": acc + 0.1, "acc_token": acc + 0.2}}}}
     if label:
         rec["label"] = label
     if at is not None:
@@ -86,9 +86,12 @@ def test_table_of_labeled_folder_is_in_evaluation_order(tmp_path):
     assert text.splitlines()[0].split()[:5] == ["label", "step", "tokens", "val", "loss"]
     rows = _rows(text)
     assert [r[:2] for r in rows] == [["pretrain", "450"], ["sft", "84"], ["dpo", "20"]]  # not by step or name
-    assert rows[1][3:] == ["2.9000", "1.450", "0.560", "0.560"]
-    r = CliRunner().invoke(main, ["eval", "--table", str(out), "--metric", "acc"])
-    assert r.exit_code == 0 and [x[0] for x in _rows(r.output)] == ["pretrain", "sft", "dpo"]
+    assert rows[1][3:] == ["2.9000", "1.450", "0.660", "0.660"]  # acc_norm by default
+    for metric, want in (("acc", "0.560"), ("acc_norm", "0.660"), ("acc_token", "0.760")):
+        r = CliRunner().invoke(main, ["eval", "--table", str(out), "--metric", metric])
+        assert r.exit_code == 0 and [x[0] for x in _rows(r.output)] == ["pretrain", "sft", "dpo"]
+        assert r.output.splitlines()[0].split()[-2:] == ["mean", metric] and f"({metric};" in r.output
+        assert _rows(r.output)[1][5:] == [want, want], (metric, r.output)
 
 
 def test_table_of_run_dir_unchanged(tmp_path):

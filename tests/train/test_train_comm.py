@@ -1,6 +1,8 @@
 """train.monitor.comm's timing shim in one gloo process: what it counts (by kind, once when nested, async waits),
-what it leaves out (paused monitoring reductions, calls outside a step), that an artificial delay on the
-collective path raises the communication share, and that uninstall restores every patched function."""
+what it leaves out (paused monitoring reductions, calls outside a step), that a delay injected into the
+process group (train.monitor.comm.delayed_collectives, beneath the timer's wrappers) or into an async collective's
+completion shows up in what the timer measures, and that uninstall restores every patched function."""
+import contextlib
 import threading
 import time
 
@@ -32,13 +34,34 @@ def timer(groups):
     t.uninstall()
 
 
-def _step(timer, delay_s: float, compute_s: float = 0.03) -> tuple[float, float]:
-    """A fake training step: compute, three all-reduces, one paused metrics reduction → (comm s, step s)."""
+@contextlib.contextmanager
+def slow_waits(delay_s: float):
+    """Every `Work.wait()` (an async collective's completion) sleeps first: the network is slow to finish."""
     import torch.distributed as dist
+
+    raw, orig = dist.Work.__dict__["wait"], dist.Work.wait
+
+    def wait(self, *args, **kwargs):
+        time.sleep(delay_s)
+        return orig(self, *args, **kwargs)
+
+    dist.Work.wait = wait
+    try:
+        yield
+    finally:
+        dist.Work.wait = raw
+
+
+def _step(timer, delay_s: float, compute_s: float = 0.03) -> tuple[float, float]:
+    """A fake training step on a network that is `delay_s` slow per call: compute, three all-reduces, one
+    paused metrics reduction → (comm s, step s)."""
+    import torch.distributed as dist
+
+    from train.monitor.comm import delayed_collectives
 
     x = torch.ones(1024)
     t0 = time.perf_counter()
-    with timer.measuring(delay_s):
+    with timer.measuring(), delayed_collectives(delay_s, one_rank_groups=True):
         time.sleep(compute_s)
         for _ in range(3):
             dist.all_reduce(x)
@@ -48,19 +71,52 @@ def _step(timer, delay_s: float, compute_s: float = 0.03) -> tuple[float, float]
 
 
 def test_share_rises_with_delay_on_the_collective_path(timer):
+    d = 0.05
     base_comm, base_step = _step(timer, 0.0)
-    comm, step = _step(timer, 0.02)
+    comm, step = _step(timer, d)
     base, delayed = base_comm / base_step, comm / step
+    assert step >= 0.03 + 4 * d  # the paused reduction was slowed too...
     assert 0.0 <= base < 0.2 and 0.5 < delayed <= 1.0, (base, delayed)
-    assert 0.06 <= comm < 0.06 + 0.03  # three timed calls; the paused one is not counted
+    assert 3 * d <= comm < 3 * d + 0.03  # ...but only the three timed calls count
+    # the trainer's debug.comm_delay_s path: measuring(delay) injects the same delay into the process group
+    x = torch.ones(8)
+    import torch.distributed as dist
+
+    with timer.measuring(d):
+        dist.all_reduce(x)
+    assert d <= sum(timer.collect().values()) < 2 * d
+    t0 = time.perf_counter()
+    dist.all_reduce(x)  # the process group is fast again after the block
+    assert time.perf_counter() - t0 < d
+
+
+def test_every_collective_is_slowed_and_timed(timer):
+    """Each collective megatron uses (the distributed optimizer's all-gather and reduce-scatter too) reaches
+    a delayed process-group method, and the timer counts it once."""
+    import torch.distributed as dist
+
+    from train.monitor.comm import delayed_collectives
+
+    d, x = 0.02, torch.ones(8)
+    calls = {"all_reduce": lambda: dist.all_reduce(x), "broadcast": lambda: dist.broadcast(x, 0),
+             "barrier": dist.barrier, "all_gather": lambda: dist.all_gather([torch.empty(8)], x),
+             "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(8), x),
+             "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(8), x),
+             "all_gather_object": lambda: dist.all_gather_object([None], 1)}
+    for name, call in calls.items():
+        with timer.measuring(), delayed_collectives(d, one_rank_groups=True):
+            call()
+        assert d <= sum(timer.collect().values()) < 3 * d, name
 
 
 def test_kinds_nesting_async_and_outside_a_step(timer, groups):
     import torch.distributed as dist
 
+    from train.monitor.comm import delayed_collectives
+
     d = 0.02
     x = torch.ones(8)
-    with timer.measuring(d):
+    with timer.measuring(), delayed_collectives(d, one_rank_groups=True):
         dist.all_reduce(x, group=groups["tp"])
         dist.all_reduce(x, group=groups["dp"])
         dist.broadcast(x, 0, group=groups["pp"])
@@ -69,20 +125,21 @@ def test_kinds_nesting_async_and_outside_a_step(timer, groups):
             dist.all_reduce(x, group=groups["tp"])
             dist.all_reduce(x, group=groups["tp"])
         work = dist.all_reduce(x, group=groups["tp"], async_op=True)
-        work.wait()                                      # issue and wait: tp twice more
+        with slow_waits(d):
+            work.wait()                                  # issue and a slow completion: tp twice more
         assert work.is_completed()                       # the handle's own methods stay usable
         # another thread (on GPU the backward's TP all-reduces run in autograd's device thread)
         th = threading.Thread(target=dist.all_reduce, args=(x,), kwargs={"group": groups["pp"]})
         th.start()
         th.join()
     s = timer.collect()
-    assert d * 2 <= s["dp"] < d * 3 and d * 3 <= s["tp"] < d * 4
+    assert d * 3 <= s["dp"] < d * 4 and d * 3 <= s["tp"] < d * 4  # dp: one call + the region's two
     assert d * 2 <= s["pp"] < 3 * d and d <= s["other"] < 2 * d
     assert torch.equal(x, torch.ones(8))
     dist.all_reduce(x)                                   # outside measuring(): not counted
     assert sum(timer.collect().values()) == 0.0
     timer.include_one_rank_groups = False                # the default: groups of one rank move nothing
-    with timer.measuring(d):
+    with timer.measuring(), delayed_collectives(d, one_rank_groups=True):
         dist.all_reduce(x, group=groups["tp"])
         dist.all_reduce(x)
     assert sum(timer.collect().values()) == 0.0

@@ -156,8 +156,15 @@ def test_init_from_tp2_checkpoint_at_tp1_then_resume_wins(tmp_path):
     for k in want:
         assert torch.equal(got[k], want[k]), k
     assert recs[0]["lr"] == metric_records(src)[0]["lr"]  # a fresh schedule (warmup step 0), not the source's
-    # without --keep-optimizer the optimizer starts fresh: nothing stored after the skipped first step
-    assert not any(t.any() for t in _optimizer_tensors(run / "checkpoints" / "step_00000001").values())
+    # without --keep-optimizer the optimizer starts fresh: AdamW makes its moments at its first update, which
+    # was skipped, so step 1's checkpoint holds none of the source's (which has them), and step 2's, after
+    # one update, holds every one of them: its own (not the source's values)
+    src_opt = _optimizer_tensors(src_ckpt)
+    assert src_opt and any("exp_avg_sq" in k for k in src_opt) and all(t.any() for t in src_opt.values())
+    assert _optimizer_tensors(run / "checkpoints" / "step_00000001") == {}
+    second = _optimizer_tensors(run / "checkpoints" / "step_00000002")
+    assert sorted(second) == sorted(src_opt), sorted(second)
+    assert all(second[k].any() and not torch.equal(second[k], src_opt[k]) for k in second)
     assert "common_step" not in _common_optimizer(run / "checkpoints" / "step_00000001")["state"]
     assert [(s["stage"], s["init"], s["kept_optimizer"]) for s in _stages(run / "checkpoints" / "step_00000001")] \
         == [(0, None, False), (1, str(src_ckpt), False)]

@@ -6,13 +6,14 @@
    MinhashDedupSignature vs datasketch `MinHash.bulk` (same shingles and number of permutations): docs/s
    on one core, and for how many documents the signature files of a whole run of each step (same input)
    hold identical records.
-3. Tokenization: our TokenizeStep path (batch encode + EOS + packing) vs bare `tokenizers` batch encode.
+3. Tokenization: the build's tokenize stage (TokenizeStep: batch encode + EOS + packing into LZ4 shards)
+   vs bare `tokenizers` batch encode of the same texts.
 
 Speeds are medians of --runs alternating runs on a fixed subset, our tokenizer's memo cleared before each;
 the agreement uses all documents unless --limit.
 Appends a section to docs/benchmarks.md unless --no-write.
 
-    python tools/bench/bench_dedup.py [--runs 3] [--limit N] [--no-write]
+    python tools/bench/bench_dedup.py [--runs 3] [--limit N] [--no-write] [--only filters|signatures|tokenize]
 """
 from __future__ import annotations
 
@@ -189,17 +190,28 @@ def signature_file_agreement(texts: list[str], cfg) -> float:
 
 
 def bench_tokenize(texts: list[str], tokenizer_path: str, runs: int) -> dict:
+    """The build's tokenize stage (TokenizeStep: batch encode, EOS, packing into LZ4 shards, the held-out
+    candidates) against bare `encode_batch_fast` of the same texts in the same batches."""
+    import shutil
     import tempfile
 
     from datatrove.data import Document
     from tokenizers import Tokenizer
 
+    from datapipe.config import ValidationConfig
+    from datapipe.shardout import ShardOut
     from datapipe.tokenize import TokenizeStep
 
     tok = Tokenizer.from_file(tokenizer_path)
     docs = [Document(text=t, id=str(i)) for i, t in enumerate(texts)]
-    out = tempfile.mkdtemp()
-    step = TokenizeStep(tokenizer_path, "<|endoftext|>", out, batch_size=256)
+    tmp = tempfile.mkdtemp(prefix="bench-tokenize-")
+    out = ShardOut(os.path.join(tmp, "ds"), os.path.join(tmp, "work"), tokenizer_path, 262_144, 64,
+                   ValidationConfig(), {"bench": None})
+    step = TokenizeStep(tokenizer_path, "<|endoftext|>", out, ["bench"], batch_size=256)
+
+    def ours():
+        for _ in step.run(iter(docs), rank=0):
+            pass
 
     def bare():
         n = 0
@@ -208,8 +220,11 @@ def bench_tokenize(texts: list[str], tokenizer_path: str, runs: int) -> dict:
         return n
 
     n_tokens = bare()
-    list(step.run(iter(docs), rank=0))  # both tokenizers warm (a real task encodes many batches)
-    t_ours, t_bare = timed_pair(lambda: list(step.run(iter(docs), rank=0)), bare, runs)
+    ours()  # both tokenizers warm (a real task encodes many batches)
+    try:
+        t_ours, t_bare = timed_pair(ours, bare, runs)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return {"tokens": n_tokens, "ours_tok_s": n_tokens / t_ours, "bare_tok_s": n_tokens / t_bare,
             "ratio": t_bare / t_ours}
 
@@ -219,24 +234,31 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--limit", type=int, default=None, help="documents per corpus for the agreement (default all)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--only", choices=["filters", "signatures", "tokenize"], default=None,
+                    help="run one part (its row is printed, nothing is written)")
     args = ap.parse_args()
     if not CORPORA.exists():
         print(f"corpora not found at {CORPORA}", file=sys.stderr)
         return 2
     subset = load({"fortunes": 2000, "pydoc": 250, "shakespeare": 80, "licenses": 14})
-    full = load({n: args.limit for n in NAMES}) if args.limit else load()
-    print(f"filter chain: {len(subset)} docs for speed, {len(full)} for agreement ...", flush=True)
-    f = bench_filters(subset, full, args.runs)
-    print(json.dumps(f, indent=1), flush=True)
-    print("signatures ...", flush=True)
-    s = bench_signatures(subset, args.runs)
-    print(json.dumps(s, indent=1), flush=True)
-    print("tokenize ...", flush=True)
-    from datapipe.tokenize import train_bpe
+    f = s = k = None
+    if args.only in (None, "filters"):
+        full = load({n: args.limit for n in NAMES}) if args.limit else load()
+        print(f"filter chain: {len(subset)} docs for speed, {len(full)} for agreement ...", flush=True)
+        f = bench_filters(subset, full, args.runs)
+        print(json.dumps(f, indent=1), flush=True)
+    if args.only in (None, "signatures"):
+        print("signatures ...", flush=True)
+        s = bench_signatures(subset, args.runs)
+        print(json.dumps(s, indent=1), flush=True)
+    if args.only in (None, "tokenize"):
+        print("tokenize ...", flush=True)
+        from datapipe.tokenize import train_bpe
 
-    tok_path = train_bpe(subset, 8192, "<|endoftext|>", "/tmp/bench-dedup-tokenizer.json")
-    k = bench_tokenize(load({"pydoc": 1000, "shakespeare": 300}), tok_path, args.runs)
-    print(json.dumps(k, indent=1), flush=True)
+        tok_path = train_bpe(subset, 8192, "<|endoftext|>", "/tmp/bench-dedup-tokenizer.json")
+        k = bench_tokenize(load({"pydoc": 1000, "shakespeare": 300}), tok_path, args.runs)
+        print(json.dumps(k, indent=1), flush=True)
+        print(f"tokenize stage / bare tokenizers: {k['ratio']:.3f}x (goal >= 0.9x)", flush=True)
     if not args.no_write:
         write_section(f, s, k, args)
     return 0
@@ -247,24 +269,31 @@ def write_section(f: dict, s: dict, k: dict, args) -> None:
     lines = [
         "", f"## datapipe: filters, MinHash signatures, tokenization ({datetime.date.today().isoformat()})", "",
         f"Command: `python tools/bench/bench_dedup.py --runs {args.runs}" + (f" --limit {args.limit}" if args.limit
-                                                                              else "") + "`  ",
+                                                                              else "")
+        + (f" --only {args.only}" if args.only else "") + "`  ",
         (f"Machine: {os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, one process (per-core "
          "figures; other jobs shared the machine). Medians of alternating runs (our memo cleared each run); corpora ../shared/corpora."), "",
-        "| what | ours | peer | ratio | goal |", "|---|---|---|---|---|",
-        (f"| filter chain (FineWeb rules), docs/s on {f['docs']:,} docs | {f['fast_docs_s']:,.0f} | "
-        f"{f['spacy_docs_s']:,.0f} (datatrove + spaCy) | {f['speedup']:.1f}x | >= 5x |"),
-        (f"| keep-decision agreement with datatrove's spaCy chain, {f['agreement_docs']:,} docs | "
-        f"{100 * f['agreement']:.2f} % | kept {f['kept_fast']:,} vs {f['kept_spacy']:,} | | >= 99 % |"),
-        (f"| MinHash signatures docs/s ({s['docs']:,} docs) | {s['ours_docs_s']:,.0f} | "
-        f"{s['datatrove_docs_s']:,.0f} (datatrove) | {s['vs_datatrove']:.1f}x | >= 3x |"),
-        (f"| same, vs datasketch `MinHash.bulk` | {s['ours_docs_s']:,.0f} | {s['datasketch_docs_s']:,.0f} | "
-        f"{s['vs_datasketch']:.1f}x | |"),
-        (f"| documents whose signature-file records equal datatrove's (whole runs of both steps) | "
-         f"{100 * s['identical_signatures']:.2f} % | | | |"),
-        (f"| tokenize, tokens/s ({k['tokens']:,} tokens) | {k['ours_tok_s']:,.0f} | {k['bare_tok_s']:,.0f} (bare "
-        f"`encode_batch_fast`) | {k['ratio']:.2f}x | >= 0.9x |"), "",
-    ]
-    if f["top_disagreements"]:
+        "| what | ours | peer | ratio | goal |", "|---|---|---|---|---|"]
+    if f is not None:
+        lines += [
+            (f"| filter chain (FineWeb rules), docs/s on {f['docs']:,} docs | {f['fast_docs_s']:,.0f} | "
+             f"{f['spacy_docs_s']:,.0f} (datatrove + spaCy) | {f['speedup']:.1f}x | >= 5x |"),
+            (f"| keep-decision agreement with datatrove's spaCy chain, {f['agreement_docs']:,} docs | "
+             f"{100 * f['agreement']:.2f} % | kept {f['kept_fast']:,} vs {f['kept_spacy']:,} | | >= 99 % |")]
+    if s is not None:
+        lines += [
+            (f"| MinHash signatures docs/s ({s['docs']:,} docs) | {s['ours_docs_s']:,.0f} | "
+             f"{s['datatrove_docs_s']:,.0f} (datatrove) | {s['vs_datatrove']:.1f}x | >= 3x |"),
+            (f"| same, vs datasketch `MinHash.bulk` | {s['ours_docs_s']:,.0f} | {s['datasketch_docs_s']:,.0f} | "
+             f"{s['vs_datasketch']:.1f}x | |"),
+            (f"| documents whose signature-file records equal datatrove's (whole runs of both steps) | "
+             f"{100 * s['identical_signatures']:.2f} % | | | |")]
+    if k is not None:
+        lines.append(f"| tokenize stage (TokenizeStep: encode, EOS, LZ4 shards, held-out candidates), tokens/s "
+                     f"({k['tokens']:,} tokens) | {k['ours_tok_s']:,.0f} | {k['bare_tok_s']:,.0f} (bare "
+                     f"`encode_batch_fast`) | {k['ratio']:.2f}x | >= 0.9x |")
+    lines.append("")
+    if f is not None and f["top_disagreements"]:
         lines.append("Most frequent filter disagreements: "
                      + "; ".join(f"{k} ({v})" for k, v in f["top_disagreements"]))
         lines.append("")

@@ -2,8 +2,9 @@
 
 - Full checkpoints are megatron dist_checkpointing saves of the model and optimizer sharded state dicts
   whose tensors are written as raw bytes per rank at storage speed (`rawfile.py`; torch_dist for a
-  flattened optimizer state); incremental ones store only XOR+zstd deltas of main-replica tensor pieces
-  against the newest full checkpoint (their base) and reference it (`incremental.py`, `strategies.py`).
+  flattened optimizer state); incremental ones store only XOR deltas (byte planes, zstd where they
+  shrink) of main-replica tensor pieces against the newest full checkpoint (their base) and reference
+  it (`incremental.py`, `strategies.py`).
 - Saves are asynchronous: the host copy runs beside the next forward/backward and training waits for
   it only at `before_update()`; a background thread writes; the next save or `wait()` finalizes (`save.py`).
 - Every checkpoint is written under `.tmp-…`, checksummed (XXH3-128 per file in manifest.json), fsynced,

@@ -20,7 +20,8 @@ class CheckpointConfig:
     offload_url: fsspec URL (s3://bucket/run, file://...) each completed checkpoint is copied to; "" = off.
     keep_local: with offload, local copies beyond the newest keep_local are deleted once the remote verifies.
     verify_on_resume: checksum every file of the chosen checkpoint (and its base) before loading it.
-    compression_level: zstd level of incremental deltas.
+    compression_level: zstd level of the byte planes of incremental deltas that compress (1: zstd's fast
+      strategy tuned for exponent bytes; higher levels are zstd's own).
     distrib_optim_sharding_type: DistributedOptimizer format; fully_reshardable is the one that resumes
       bit-exactly and reshards (see notes/megatron-cpu.md).
     """
@@ -33,7 +34,7 @@ class CheckpointConfig:
     offload_url: str = ""
     keep_local: int = 2
     verify_on_resume: bool = True
-    compression_level: int = 3
+    compression_level: int = 1
     distrib_optim_sharding_type: str = "fully_reshardable"
 
     def validate(self) -> None:

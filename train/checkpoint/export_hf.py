@@ -24,7 +24,7 @@ import os
 import fsspec
 import torch
 
-from train.checkpoint import layout
+from train.checkpoint import layout, safe_load
 from train.checkpoint.incremental import RAW_DIR, PieceSet
 
 
@@ -55,6 +55,7 @@ def _plain_tensors(path: str) -> dict[str, torch.Tensor]:
     if not dist.is_initialized():  # megatron's loader asks for a rank even when reading everything
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         created = True
+    safe_load.install()  # torch_dist's metadata and bytes items: no code from the checkpoint
     try:
         sd = dist_checkpointing.load_plain_tensors(path)
     finally:

@@ -126,6 +126,9 @@ def weight_files(folder: str) -> list[str]:
         raise ImportError_(f"{folder}: no model.safetensors and no model.safetensors.index.json")
     with open(index) as f:
         shards = sorted(set(json.load(f)["weight_map"].values()))
+    outside = [s for s in shards if os.path.basename(s) != s or not s.endswith(".safetensors")]
+    if outside:  # the index names the files to read: only safetensors files inside the folder
+        raise ImportError_(f"{index}: weight_map names {outside[0]!r}, not a .safetensors file in {folder}")
     missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
     if missing:
         raise ImportError_(f"{index}: shard(s) missing: {', '.join(missing)}")

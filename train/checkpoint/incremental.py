@@ -1,13 +1,23 @@
 """Tensor pieces on disk: full checkpoints as raw bytes, incremental ones as lossless deltas (XOR of bit
-patterns against the base, byte-plane shuffled, zstd-compressed; unchanged pieces are references).
+patterns against the base, split into byte planes, each plane stored raw or zstd-compressed; unchanged
+pieces are references).
 
 A rank writes `<dir>/rankNNNNN.bin` (concatenated blobs) and `<dir>/rankNNNNN.json` (index), where <dir> is
 `tensors/` for a full checkpoint and `delta/` for an incremental one. Each entry is one tensor piece: its
 global key, global shape and offset (megatron ShardedTensor coordinates), local shape, dtype and codec:
-  raw       the piece's bytes as they are in memory (full checkpoints: written at storage speed)
-  same      identical to the base: nothing stored
-  xor-zstd  zstd(byte-shuffled(new XOR base))
-  zstd      zstd(byte-shuffled(new)) when the base has no such piece
+  raw         the piece's bytes as they are in memory (full checkpoints: written at storage speed)
+  same        identical to the base: nothing stored
+  xor-planes  new XOR base, in chunks of CHUNK_ELEMS elements; per chunk its byte planes (plane i: byte i
+              of every element), each "raw" or "zstd", listed in the entry's `chunks`: [elements,
+              [method, nbytes] per plane] or [elements, "same"]
+  planes      the same layout for new itself, when the base has no such piece
+  xor-zstd, zstd   (read only: incremental checkpoints written before xor-planes) zstd of the whole
+              byte-shuffled XOR pattern / values
+Why planes: after AdamW steps the low mantissa bytes of fp32 values are new random bits in every element
+(incompressible), while sign/exponent bytes hardly change; compressing only the planes that shrink (tried
+on a sample first) keeps the bytes of compressing everything and skips most of its time. Chunks are
+encoded by a thread per CPU (numpy's XOR and zstd release the GIL) while the O_DIRECT writer streams
+and hashes what is done (`rawfile.write_stream`). tools/bench/bench_ckpt.py measures it.
 Pieces are applied by intersecting global regions, so pieces written under one TP/PP/DP layout fill (raw)
 or patch (XOR is elementwise) tensors loaded under another.
 """
@@ -16,7 +26,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,37 +52,136 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_INT_OF_SIZE[t.element_size()]).numpy()
 
 
-def _shuffle(a: np.ndarray) -> bytes:
-    # Byte planes: exponent/sign bytes of floats change rarely and compress well once grouped.
-    size = a.dtype.itemsize
-    return np.ascontiguousarray(a.reshape(-1).view(np.uint8).reshape(-1, size).T).tobytes()
-
-
 def _unshuffle(raw: bytes, int_dtype: np.dtype, shape: tuple) -> np.ndarray:
     size = int_dtype.itemsize
     planes = np.frombuffer(raw, dtype=np.uint8).reshape(size, -1)
     return np.ascontiguousarray(planes.T).view(int_dtype).reshape(shape)
 
 
-def encode(new: np.ndarray, base: np.ndarray | None, level: int = 3) -> tuple[str, bytes]:
-    """(codec, blob) for one piece given its bit patterns and the base's (same shape) or None."""
-    cctx = zstandard.ZstdCompressor(level=level)
-    if base is None or base.shape != new.shape or base.dtype != new.dtype:
-        return "zstd", cctx.compress(_shuffle(new))
-    x = np.bitwise_xor(new, base)
-    if not x.any():
-        return "same", b""
-    return "xor-zstd", cctx.compress(_shuffle(x))
+CHUNK_ELEMS = 1 << 20  # elements per encoded chunk (4 MiB of fp32): the unit of parallel work
+_SAMPLE = 1 << 14      # bytes of a plane compressed first: if they do not shrink, the plane is stored raw
+_WORTH = 0.97          # a compressed plane must be smaller than this fraction of its raw bytes
+_local = threading.local()
 
 
-def decode(codec: str, blob: bytes, int_dtype: np.dtype, shape: tuple) -> np.ndarray | None:
-    """XOR pattern (xor-zstd), full values (zstd, raw) or None (same)."""
+class Scratch:
+    """Reusable memory for one chunk: its XOR pattern and its byte planes (fresh arrays per chunk would
+    cost a page fault per 4 KiB, a large share of the encode on a VM)."""
+
+    def __init__(self, max_itemsize: int = 8):
+        self.x = np.empty(CHUNK_ELEMS * max_itemsize, dtype=np.uint8)
+        self.planes = np.empty(CHUNK_ELEMS * max_itemsize, dtype=np.uint8)
+
+
+def _cctx(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor (a ZstdCompressor must not be used by two threads at once). Level 1 (the
+    default): zstd's fast strategy looking only for matches of 7+ bytes in a small hash table; on the
+    sign/exponent planes of AdamW states (a few distinct bytes in short runs) it compresses as well as
+    level 1 in about half the time (measured: tools/bench/bench_ckpt.py, docs/benchmarks.md)."""
+    c = getattr(_local, "cctx", None)
+    if c is None or _local.level != level:
+        params = (zstandard.ZstdCompressionParameters(strategy=zstandard.STRATEGY_FAST, min_match=7, hash_log=10,
+                                                      search_log=1, window_log=18) if level <= 1 else
+                  zstandard.ZstdCompressionParameters.from_level(level))
+        c, _local.level = zstandard.ZstdCompressor(compression_params=params), level
+        _local.cctx = c
+    return c
+
+
+def _encode_plane(raw: np.ndarray, level: int) -> tuple[str, memoryview]:
+    """("raw" | "zstd", bytes) for one byte plane: random low mantissa bytes are stored as they are at
+    memory speed; only planes that shrink (sign, exponent, high mantissa) pay for zstd."""
+    cctx = _cctx(level)
+    if len(raw) > 4 * _SAMPLE and len(cctx.compress(raw[:_SAMPLE])) > _WORTH * _SAMPLE:
+        return "raw", memoryview(raw)
+    blob = cctx.compress(raw)
+    if len(blob) > _WORTH * len(raw):
+        return "raw", memoryview(raw)
+    return "zstd", memoryview(blob)
+
+
+def encode_chunk(new: np.ndarray, base: np.ndarray | None, level: int,
+                 scratch: Scratch | None = None) -> tuple[list, list[memoryview]]:
+    """One chunk (1-D bit patterns, at most CHUNK_ELEMS) of a piece: its index record [elements, [method,
+    nbytes] per byte plane] ([elements, "same"] when unchanged) and the plane buffers, in file order. With
+    a base the planes hold new XOR base, else new itself. Raw planes are views of `scratch` (valid until
+    it is reused)."""
+    scratch = scratch or Scratch(new.dtype.itemsize)
+    n, size = len(new), new.dtype.itemsize
+    if base is None:
+        x = new
+    else:
+        x = np.bitwise_xor(new, base, out=scratch.x[:n * size].view(new.dtype))
+        if not x[:1024].any() and not x.any():
+            return [n, "same"], []
+    u = x.view(np.uint8)
+    parts = []
+    for i in range(size):
+        plane = scratch.planes[i * n:(i + 1) * n]
+        np.copyto(plane, u[i::size])
+        parts.append(_encode_plane(plane, level))
+    return [n, *[[m, len(b)] for m, b in parts]], [b for _, b in parts]
+
+
+def _chunk_jobs(pieces: list[Piece], base: dict[tuple, np.ndarray] | None):
+    """(piece index, new chunk, base chunk or None) in file order."""
+    for i, p in enumerate(pieces):
+        b = bits(p.tensor).reshape(-1)
+        bb = None if base is None else base.get(p.ident)
+        if bb is not None and (bb.shape != tuple(p.tensor.shape) or bb.dtype != b.dtype):
+            bb = None
+        bb = None if bb is None else bb.reshape(-1)
+        for at in range(0, max(len(b), 1), CHUNK_ELEMS):
+            yield i, b[at:at + CHUNK_ELEMS], None if bb is None else bb[at:at + CHUNK_ELEMS]
+
+
+def encode(new: np.ndarray, base: np.ndarray | None, level: int = 1) -> tuple[str, list, list[memoryview]]:
+    """(codec, chunk records, buffers in file order) for one whole piece given its bit patterns and the
+    base's (same shape and dtype) or None; single-threaded (write_deltas spreads the chunks over threads)."""
+    usable = base is not None and base.shape == new.shape and base.dtype == new.dtype
+    flat, bflat = new.reshape(-1), base.reshape(-1) if usable else None
+    records, bufs = [], []
+    for at in range(0, max(len(flat), 1), CHUNK_ELEMS):
+        rec, b = encode_chunk(flat[at:at + CHUNK_ELEMS], None if bflat is None else bflat[at:at + CHUNK_ELEMS], level)
+        records.append(rec)
+        bufs += b
+    return _codec(usable, records), records, bufs
+
+
+def _codec(with_base: bool, records: list) -> str:
+    if with_base and all(r[1] == "same" for r in records):
+        return "same"
+    return "xor-planes" if with_base else "planes"
+
+
+def decode(e: dict, blob: bytes | memoryview, int_dtype: np.dtype) -> np.ndarray | None:
+    """The piece of index entry `e` from its stored bytes: the XOR pattern (xor-*), the values (planes,
+    zstd, raw) or None (same), shaped as the piece."""
+    codec, shape, int_dtype = e["codec"], tuple(e["shape"]), np.dtype(int_dtype)
     if codec == "same":
         return None
     if codec == "raw":
-        return np.frombuffer(blob, dtype=int_dtype).reshape(tuple(shape))
-    raw = zstandard.ZstdDecompressor().decompress(blob)
-    return _unshuffle(raw, np.dtype(int_dtype), tuple(shape))
+        return np.frombuffer(blob, dtype=int_dtype).reshape(shape)
+    if codec in ("xor-zstd", "zstd"):
+        return _unshuffle(zstandard.ZstdDecompressor().decompress(blob), int_dtype, shape)
+    size = int_dtype.itemsize
+    out = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=int_dtype)
+    u = out.view(np.uint8)
+    dctx = zstandard.ZstdDecompressor()
+    pos, el = 0, 0
+    for n, *planes in e["chunks"]:
+        if planes == ["same"]:
+            out[el:el + n] = 0  # no change: XOR with zero
+        else:
+            for i, (method, nbytes) in enumerate(planes):
+                data = blob[pos:pos + nbytes]
+                pos += nbytes
+                plane = data if method == "raw" else dctx.decompress(data, max_output_size=n)
+                u[el * size + i:(el + n) * size:size] = np.frombuffer(plane, dtype=np.uint8)
+        el += n
+    if el != len(out) or pos != len(blob):
+        raise ValueError(f"{e['key']}: chunks cover {el} of {len(out)} elements and {pos} of {len(blob)} bytes")
+    return out.reshape(shape)
 
 
 @dataclass
@@ -92,23 +204,62 @@ def _entry(p: Piece, codec: str, offset: int, nbytes: int, raw_nbytes: int) -> d
 
 
 def write_deltas(out_dir: str, rank: int, pieces: list[Piece], base: dict[tuple, np.ndarray] | None,
-                 level: int = 3) -> dict:
-    """Write this rank's delta files; returns byte counts {written, full, pieces, same}."""
+                 level: int = 1, threads: int = 0) -> dict:
+    """Write this rank's delta files: every piece's chunks encoded by `threads` threads (0: one per CPU
+    this process may use), in order, into the O_DIRECT writer, which hashes the stream. Returns {written,
+    full, pieces, same, write_s, files: {relative path: [size, xxh3_128 hex]}} (as write_raw)."""
     os.makedirs(os.path.join(out_dir, DELTA_DIR), exist_ok=True)
-    stem = os.path.join(out_dir, DELTA_DIR, f"rank{rank:05d}")
+    rel = f"{DELTA_DIR}/rank{rank:05d}"
+    jobs = list(_chunk_jobs(pieces, base))
+    records: list[list] = [[] for _ in pieces]
+    with_base = [False] * len(pieces)
+    n = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    pool = ThreadPoolExecutor(n, thread_name_prefix="ckpt-delta")
+    itemsize = max((bits(p.tensor).itemsize for p in pieces), default=1)
+    free = [Scratch(itemsize) for _ in range(2 * n)]  # a chunk's scratch returns once the writer copied it
+
+    def encoded():  # buffers in file order, at most 2n chunks encoded ahead of the writer
+        window: deque = deque()
+        todo = iter(jobs)
+        while True:
+            while free and (job := next(todo, None)) is not None:
+                i, new, old = job
+                with_base[i] = old is not None
+                sc = free.pop()
+                window.append((i, sc, pool.submit(encode_chunk, new, old, level, sc)))
+            if not window:
+                return
+            i, sc, fut = window.popleft()
+            rec, bufs = fut.result()
+            records[i].append(rec)
+            yield from bufs
+            free.append(sc)  # write_stream(copy=True) has copied every part before asking for the next
+
+    t = time.perf_counter()
+    try:
+        size, digest = write_stream(os.path.join(out_dir, rel + ".bin"), encoded(), copy=True)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    write_s = time.perf_counter() - t
     entries, offset, full, same = [], 0, 0, 0
-    with open(stem + ".bin", "wb") as f:
-        for p in pieces:
-            b = bits(p.tensor)
-            codec, blob = encode(b, None if base is None else base.get(p.ident), level)
-            entries.append(_entry(p, codec, offset, len(blob), b.nbytes))
-            f.write(blob)
-            offset += len(blob)
-            full += b.nbytes
-            same += codec == "same"
-    with open(stem + ".json", "w") as f:
-        json.dump({"rank": rank, "entries": entries}, f)
-    return {"written": offset, "full": full, "pieces": len(pieces), "same": same}
+    for p, recs, wb in zip(pieces, records, with_base):
+        nbytes = sum(nb for r in recs if r[1] != "same" for _, nb in r[1:])
+        raw_nbytes = bits(p.tensor).nbytes
+        codec = _codec(wb, recs)
+        e = _entry(p, codec, offset, nbytes, raw_nbytes)
+        if codec != "same":
+            e["chunks"] = recs
+        entries.append(e)
+        offset += nbytes
+        full += raw_nbytes
+        same += codec == "same"
+    if offset != size:
+        raise RuntimeError(f"{rel}.bin: wrote {size} bytes, the index accounts for {offset}")
+    index = json.dumps({"rank": rank, "entries": entries}).encode()
+    with open(os.path.join(out_dir, rel + ".json"), "wb") as f:
+        f.write(index)
+    return {"written": offset, "full": full, "pieces": len(pieces), "same": same, "write_s": write_s,
+            "files": {rel + ".bin": [size, digest], rel + ".json": [len(index), xxhash.xxh3_128_hexdigest(index)]}}
 
 
 def write_raw(out_dir: str, rank: int, pieces: list[Piece]) -> dict:
@@ -190,7 +341,7 @@ def raw_snapshot(ckpt_dir: str, rank: int) -> dict[tuple, np.ndarray]:
 
 class PieceSet:
     """All ranks' piece entries of one checkpoint folder (`tensors/` or `delta/`), applied to tensors by
-    global region: raw/zstd pieces overwrite, xor-zstd pieces patch, same pieces are skipped."""
+    global region: raw/planes/zstd pieces overwrite, xor-* pieces patch, same pieces are skipped."""
 
     def __init__(self, ckpt_dir: str, subdir: str = DELTA_DIR):
         self.dir = ckpt_dir
@@ -247,8 +398,8 @@ class PieceSet:
                 sl_t.append(slice(lo - to, hi - to))
                 sl_e.append(slice(lo - o, hi - o))
             else:
-                d = decode(e["codec"], self._blob(binf, e), tb.dtype, es).reshape(ext_e)
-                if e["codec"] == "xor-zstd":
+                d = decode(e, self._blob(binf, e), tb.dtype).reshape(ext_e)
+                if e["codec"].startswith("xor-"):
                     tview[tuple(sl_t)] ^= d[tuple(sl_e)]
                 else:
                     tview[tuple(sl_t)] = d[tuple(sl_e)]

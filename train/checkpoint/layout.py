@@ -3,7 +3,7 @@
     <dir>/step_00000200/            a committed checkpoint (renamed from a temporary name when complete)
         manifest.json               written last: step, kind, base, layout, {file: size + xxh3_128}, bytes
         metadata.json, common.pt, tensors/rankN.bin|.json   megatron dist_checkpointing; raw tensor pieces
-        delta/rank00000.bin|.json   incremental checkpoints: XOR+zstd deltas against the base's tensors
+        delta/rank00000.bin|.json   incremental checkpoints: XOR deltas (byte planes) against the base's tensors
         train_state.pt, rng/rank00000.pt
     <dir>/.tmp-step_00000200-1a2b3c4d/   being written (never read; removed at start-up)
     <dir>/latest                    name of the newest committed checkpoint; moved after the rename
@@ -230,8 +230,11 @@ def verify(fs: fsspec.AbstractFileSystem, root: str, name: str, checksums: bool 
     """Problems found in checkpoint `name` (empty list: it verifies). With `chain`, its base is checked too.
 
     Checks: manifest readable; each listed file present with its size and (checksums) its xxh3_128; no
-    unlisted data files.
+    unlisted data files; its pickles (*.pt, torch_dist's .metadata) load without running code from them
+    (`safe_load`: a checkpoint from someone else may hold a pickle that would).
     """
+    from train.checkpoint import safe_load
+
     path = f"{root.rstrip('/')}/{name}"
     try:
         m = read_manifest(fs, path)
@@ -254,6 +257,11 @@ def verify(fs: fsspec.AbstractFileSystem, root: str, name: str, checksums: bool 
             _, digest = checksum_file(fs, f"{path}/{rel}")
             if digest != want["xxh3_128"]:
                 problems.append(f"{path}/{rel}: checksum mismatch (corrupted)")
+                continue
+        if rel.endswith(".pt") or rel.rsplit("/", 1)[-1] == ".metadata":
+            problem = safe_load.check_file(rel, fs.cat_file(f"{path}/{rel}"), path)
+            if problem:
+                problems.append(problem)
     extra = sorted(set(present) - set(m["files"]) - {MANIFEST})
     problems += [f"{path}/{rel}: file not in manifest" for rel in extra]
     if chain and m.get("base"):

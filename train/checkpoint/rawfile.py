@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -62,17 +63,28 @@ def aligned_offsets(parts: list[memoryview]) -> list[int]:
     return out
 
 
-def write_stream(path: str, parts: list[memoryview], offsets: list[int] | None = None) -> tuple[int, str]:
-    """Write `parts` (byte memoryviews) at file `offsets` (default: back to back; gaps are zeros) to the
-    file at `path` (created, or overwritten in place and cut to size), fsynced. With O_DIRECT, a part
-    whose offset is congruent to its address modulo 4 KiB (see aligned_offsets) is written from its own
-    memory, only its unaligned ends going through the bounce buffers. Returns (size, XXH3-128 hex)."""
+def _back_to_back(parts: Iterable[memoryview]):
+    pos = 0
+    for p in parts:
+        yield p, pos
+        pos += len(p)
+
+
+def write_stream(path: str, parts: Iterable[memoryview], offsets: list[int] | None = None,
+                 copy: bool = False) -> tuple[int, str]:
+    """Write `parts` (byte memoryviews) at file `offsets` (default: back to back, as an iterable yields
+    them, e.g. while they are being made; gaps are zeros) to the file at `path` (created, or overwritten in
+    place and cut to size), fsynced. With O_DIRECT, a part whose offset is congruent to its address modulo
+    4 KiB (see aligned_offsets) is written from its own memory, only its unaligned ends going through the
+    bounce buffers; with `copy` every part goes through the bounce buffers, so its memory may be reused
+    once the next part is asked for. Returns (size, XXH3-128 hex)."""
     if offsets is None:
-        offsets, pos = [], 0
-        for p in parts:
-            offsets.append(pos)
-            pos += len(p)
-    total = max((o + len(p) for o, p in zip(offsets, parts)), default=0)
+        total = None  # known at the end
+        placed: Iterable = _back_to_back(parts)
+    else:
+        parts = list(parts)
+        total = max((o + len(p) for o, p in zip(offsets, parts)), default=0)
+        placed = zip(parts, offsets)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
         direct = hasattr(os, "O_DIRECT")
@@ -127,13 +139,15 @@ def write_stream(path: str, parts: list[memoryview], offsets: list[int] | None =
             if fill == CHUNK:
                 flush(True)
 
+    end = 0
     try:
-        for part, o in zip(parts, offsets):
+        for part, o in placed:
+            end = max(end, o + len(part))
             while acc_off + fill < o:  # the gap before this part
                 add(zeros[:min(_ALIGN, o - acc_off - fill)])
             src = np.frombuffer(part, dtype=np.uint8)
             lo, hi = -(-o // _ALIGN) * _ALIGN, (o + len(src)) // _ALIGN * _ALIGN  # its aligned middle
-            if direct and hi - lo >= _ALIGN and (src.ctypes.data - o) % _ALIGN == 0:
+            if direct and not copy and hi - lo >= _ALIGN and (src.ctypes.data - o) % _ALIGN == 0:
                 add(src[:lo - o])
                 flush(True)  # the bounce buffer now ends where the middle starts, on a block boundary
                 for at in range(lo, hi, CHUNK):
@@ -147,6 +161,7 @@ def write_stream(path: str, parts: list[memoryview], offsets: list[int] | None =
         for f in pending + straight:
             if f is not None:
                 f.result()
+        total = end if total is None else total
         os.ftruncate(fd, total)  # O_DIRECT wrote whole blocks; a recycled file may be longer
         os.fsync(fd)
     finally:

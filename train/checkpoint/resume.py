@@ -11,11 +11,10 @@ import logging
 import os
 
 import fsspec
-import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from train.checkpoint import layout, state_io
+from train.checkpoint import layout, safe_load, state_io
 from train.checkpoint.config import CheckpointConfig
 from train.checkpoint.strategies import DeltaAwareLoadStrategy
 from train.state import TrainState
@@ -55,14 +54,14 @@ def load_into(state: TrainState, root: str, name: str, cfg: CheckpointConfig, re
         strategy = _load_tensors(state, path, m, cfg.distrib_optim_sharding_type)
     except Exception as e:
         raise layout.CheckpointError(f"{path}: load failed (base {base_name}): {e}") from e
-    ts = torch.load(os.path.join(path, "train_state.pt"), weights_only=False)
+    ts = safe_load.load_torch(os.path.join(path, "train_state.pt"))  # never code from a checkpoint's pickle
     state_io.load_train_state(state, ts)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     rng_file = os.path.join(path, "rng", f"rank{rank:05d}.pt")
     if not restore_rng:
         pass
     elif m.get("layout") == state_io.layout() and os.path.exists(rng_file):
-        state_io.set_rng_state(torch.load(rng_file, weights_only=False))
+        state_io.set_rng_state(safe_load.load_torch(rng_file))
     elif rank == 0:
         log.warning("checkpoint %s: parallel layout changed (%s -> %s): RNG states not restored",
                     name, m.get("layout"), state_io.layout())

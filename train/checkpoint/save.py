@@ -7,7 +7,7 @@ A save has three phases:
    copy runs beside the next forward/backward, and training waits for it only if it is not done when the
    optimizer is about to step (`wait_staged`);
 2. write (background thread): the AsyncRequest's write function (raw tensor bytes for full checkpoints,
-   XOR+zstd deltas for incremental ones; torch_dist for full ones with a flattened optimizer state);
+   XOR deltas in byte planes for incremental ones; torch_dist for full ones with a flattened optimizer state);
 3. finalize (all ranks, at a later step once every rank's write finished): megatron's finalize functions
    (global metadata), then rank 0 commits in its background thread: checksums, manifest, fsync, rename,
    `latest` (layout.commit).
@@ -284,7 +284,7 @@ class Saver:
                 "tensor_bytes": {"written": sum(s.get("written", 0) for s in gathered),
                                  "full": sum(s.get("full", 0) for s in gathered)}}
         hashed = {rel: v for s in gathered for rel, v in s.get("files", {}).items()}  # hashed while written
-        if all("write_s" in s for s in gathered):  # raw full save: tensor bytes and the slowest rank's write
+        if isinstance(p.strategy, RawSaveStrategy):  # raw full save: tensor bytes and the slowest rank's write
             self.last_tensor_write = (sum(s["written"] for s in gathered), max(s["write_s"] for s in gathered))
         if isinstance(p.strategy, RawSaveStrategy):
             p.new_base = raw_snapshot(p.tmp, self.rank)

@@ -1,6 +1,7 @@
 """Gathering a TrainState into a megatron sharded state dict and back, plus the small per-run and per-rank
-files (train_state.pt, rng/rankNNNNN.pt), and the fixes for three megatron-core 0.16.1
-DistributedOptimizer resume bugs (see ../shared/notes/megatron-cpu.md):
+files (train_state.pt, rng/rankNNNNN.pt: tensors and plain data only, loaded with weights_only=True by
+train.checkpoint.safe_load), and the fixes for three megatron-core 0.16.1 DistributedOptimizer resume bugs
+(see ../shared/notes/megatron-cpu.md):
 
 1. `state_dict()` asserts one AdamW `step` and fails on a fresh optimizer: states are initialised with
    zeros before the load (they are overwritten by it).
@@ -127,7 +128,10 @@ def load_train_state(state: TrainState, d: dict) -> None:
 
 
 def rng_state() -> dict:
-    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """This rank's RNG streams, as tensors and plain data only (the file loads with weights_only=True)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    out = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
+           "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, "tracker": None}
     from megatron.core import tensor_parallel
 
@@ -139,7 +143,8 @@ def rng_state() -> dict:
 
 def set_rng_state(d: dict) -> None:
     random.setstate(d["python"])
-    np.random.set_state(d["numpy"])
+    name, keys, *rest = d["numpy"]  # keys: a uint32 tensor (a numpy array in files of older versions)
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(d["torch"])
     if d["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(d["cuda"])

@@ -1,7 +1,7 @@
 """megatron dist_checkpointing strategies for smoltrain's tensor files (`incremental.py`).
 
 RawSaveStrategy (full checkpoints) writes each rank's main-replica tensor pieces as raw bytes in one file
-with large sequential writes; DeltaSaveStrategy (incremental checkpoints) writes XOR+zstd deltas against
+with large sequential writes; DeltaSaveStrategy (incremental checkpoints) writes XOR deltas (byte planes) against
 the base's values. Both are async sharded-save strategies: `dist_checkpointing.save` still writes
 common.pt, sharded objects and metadata.json as usual. DeltaAwareLoadStrategy fills the requested
 tensors from a raw base by global region (any TP/PP/DP layout), or loads a torch_dist base (checkpoints
@@ -21,6 +21,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
+from train.checkpoint import safe_load
 from train.checkpoint.incremental import DELTA_DIR, RAW_DIR, Piece, PieceSet, bits, write_deltas, write_raw
 
 DELTA_BACKEND = "smoltrain_delta"
@@ -108,7 +109,7 @@ class RawSaveStrategy(AsyncSaveShardedStrategy):
 class DeltaSaveStrategy(AsyncSaveShardedStrategy):
     """Writes main-replica tensors as deltas against `base` (None: self-contained zstd)."""
 
-    def __init__(self, rank: int, base: dict[tuple, np.ndarray] | None, level: int = 3):
+    def __init__(self, rank: int, base: dict[tuple, np.ndarray] | None, level: int = 1):
         super().__init__(DELTA_BACKEND, 1)
         self.rank, self.base, self.level = rank, base, level
         self.stats: dict = {}
@@ -130,6 +131,8 @@ class DeltaAwareLoadStrategy(LoadShardedStrategy):
         self.base_dir, self.delta_dir = base_dir, delta_dir
         self.raw = os.path.isdir(os.path.join(base_dir, RAW_DIR))
         self.inner = None if self.raw else TorchDistLoadShardedStrategy()
+        if self.inner is not None:
+            safe_load.install()  # torch_dist's metadata and bytes items: no code from the checkpoint
         self.base_snapshot: dict[tuple, np.ndarray] = {}
         self.pieces_applied = 0
 

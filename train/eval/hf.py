@@ -25,17 +25,29 @@ from train.eval.scorer import length_batches
 _PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "smollm3"}
 
 
+def load_hf_model(folder: str):
+    """transformers' causal LM of a Hugging Face folder in float32 eval mode. A folder may come from
+    anyone, so its weights are read from safetensors only (a pytorch_model.bin is a pickle, which can run
+    code) and its own Python code (config.json's auto_map) is never run (trust_remote_code=False)."""
+    from transformers import AutoModelForCausalLM
+
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise FileNotFoundError(f"{folder}: no model.safetensors (or model.safetensors.index.json); only safetensors "
+                                "weights are read, never pickled ones such as pytorch_model.bin")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True,
+                                                trust_remote_code=False).eval()
+
+
 def load_hf(folder: str):
     """(model in float32 eval mode, tokenizers.Tokenizer, eos id, max_length) for a HF folder."""
     from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
 
     tok_path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(tok_path):
         raise FileNotFoundError(f"{folder}: no tokenizer.json (export with a tokenizer: train ckpt export "
                                 "--tokenizer PATH)")
     tok = Tokenizer.from_file(tok_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = load_hf_model(folder)
     cfg = model.config
     eos = cfg.eos_token_id
     if isinstance(eos, (list, tuple)):

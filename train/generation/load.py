@@ -48,7 +48,7 @@ def checkpoint_tokenizer(path: str, manifest: dict):
     if carried and os.path.isfile(os.path.join(carried, "tokenizer.json")):
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(carried)
+        tok = AutoTokenizer.from_pretrained(carried, trust_remote_code=False)
         return tok, tok.chat_template, eos_ids(carried, tok)
     url = (manifest.get("meta") or {}).get("tokenizer")
     if not url:
@@ -80,7 +80,7 @@ def tokenizer_for(tokenizer_path: str):
     if folder and os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
         return tok, tok.chat_template, eos_ids(folder, tok)
     return dataset_tokenizer(tokenizer_path)
 
@@ -106,15 +106,15 @@ def is_hf_folder(path: str) -> bool:
 
 def load(path: str) -> Loaded:
     """The model of a checkpoint (a step_… folder, or a run dir / checkpoints folder: its newest) or HF folder."""
-    import torch
-
     p = os.path.abspath(path)
     if is_hf_folder(p):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(p)
-        return Loaded(model.eval(), tok, tok.chat_template, eos_ids(p, tok))
+        from train.eval.hf import load_hf_model
+
+        model = load_hf_model(p)  # safetensors only, never the folder's own code
+        tok = AutoTokenizer.from_pretrained(p, trust_remote_code=False)
+        return Loaded(model, tok, tok.chat_template, eos_ids(p, tok))
     from storage.config import ConfigError
     from train.checkpoint.export_hf import llama_weights
     from train.checkpoint.layout import find_checkpoints

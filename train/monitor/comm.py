@@ -8,7 +8,8 @@ trainer's own metric reductions). `collect()` returns seconds per kind since the
 What is timed (the outermost call counts; calls nested in a timed one do not count again):
 - `torch.distributed` collectives: all_reduce, all_gather, all_gather_into_tensor, _all_gather_base,
   reduce_scatter, reduce_scatter_tensor, _reduce_scatter_base, broadcast, all_to_all, all_to_all_single,
-  barrier, send, recv, batch_isend_irecv; also megatron's module aliases of them
+  barrier, send, recv, batch_isend_irecv, the object collectives (all_gather_object, broadcast_object_list,
+  gather_object, scatter_object_list); also megatron's module aliases of them
   (`dist_all_gather_func` / `dist_reduce_scatter_func` in tensor_parallel and the DDP buffers). TP
   exchanges inside the layers and the grad-norm all-reduce are such calls. isend/irecv are left alone
   (`P2POp` accepts only the original functions); their waits are inside the pipeline regions below.
@@ -44,7 +45,8 @@ KINDS = ("dp", "tp", "pp", "other")
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
                 "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "all_to_all", "all_to_all_single",
-                "barrier", "send", "recv", "batch_isend_irecv")
+                "barrier", "send", "recv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
+                "gather_object", "scatter_object_list")
 # Modules that bound a collective to a name at import time (megatron-core 0.16).
 _ALIAS_MODULES = ("megatron.core.utils", "megatron.core.tensor_parallel.utils",
                   "megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers",
@@ -103,7 +105,6 @@ class CommTimer:
         self._measuring = False
         self._local = threading.local()  # .depth: inside a timed call, per thread
         self._paused = 0
-        self._delay_s = 0.0
         self._seconds = dict.fromkeys(KINDS, 0.0)
         self._pending: list[tuple[str, object, object]] = []   # CUDA: (kind, start event, end event)
         self._free_events: list = []
@@ -134,13 +135,14 @@ class CommTimer:
     @contextmanager
     def measuring(self, delay_s: float = 0.0):
         """Count communication in this block, on every thread (on GPU the backward's TP exchanges run in
-        autograd's device threads). `delay_s` sleeps inside every timed call (debug: an artificial delay on
-        the collective path)."""
-        self._measuring, self._delay_s = True, delay_s
+        autograd's device threads). `delay_s` > 0 (debug): the block runs under `delayed_collectives`, a
+        slow network inside the process groups that the timer has to observe like any communication."""
+        self._measuring = True
         try:
-            yield self
+            with delayed_collectives(delay_s, one_rank_groups=self.include_one_rank_groups):
+                yield self
         finally:
-            self._measuring, self._delay_s = False, 0.0
+            self._measuring = False
 
     @contextmanager
     def paused(self):
@@ -189,8 +191,6 @@ class CommTimer:
             token = ev
         else:
             token = time.perf_counter()
-        if self._delay_s:
-            time.sleep(self._delay_s)
         return token
 
     def _stop(self, kind: str, token) -> None:
@@ -218,6 +218,50 @@ class CommTimer:
         if kind.startswith("1:"):  # a known group of one rank
             return kind[2:] if self.include_one_rank_groups else None
         return kind or ("other" if self.include_one_rank_groups else None)
+
+
+# The torch.distributed.ProcessGroup methods that start communication: every collective, barrier and
+# send/recv of torch.distributed (and so of megatron) ends in one of them.
+# (torch 2.13 names; older ones kept, missing ones skipped).
+_PG_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+               "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+               "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce_scatter_single",
+               "reduce_scatter_single_coalesced", "broadcast", "barrier", "monitored_barrier", "alltoall",
+               "alltoall_base", "all_to_all_single", "send", "recv", "recv_anysource", "reduce", "gather", "scatter")
+
+
+@contextmanager
+def delayed_collectives(delay_s: float, one_rank_groups: bool = False):
+    """Debug: a slow network. In this block every communication call of this process sleeps `delay_s`
+    inside the process group (the `ProcessGroup` methods above, patched on the class), before the work
+    starts: beneath torch.distributed's functions, megatron's aliases and regions, and the timer's
+    wrappers, so a timer sees the delay only by timing the real call. Groups of one rank move nothing
+    and are not delayed unless `one_rank_groups` (tests in one process)."""
+    if delay_s <= 0:
+        yield
+        return
+    import torch.distributed as dist
+
+    pg = dist.ProcessGroup
+    saved = []
+    for name in _PG_METHODS:
+        raw = pg.__dict__.get(name)  # the descriptor itself: putting back getattr's bound form breaks calls
+        if raw is None:
+            continue
+        orig = getattr(pg, name)
+
+        def slow(self, *args, _orig=orig, **kwargs):
+            if one_rank_groups or self.size() > 1:
+                time.sleep(delay_s)
+            return _orig(self, *args, **kwargs)
+
+        saved.append((name, raw))
+        setattr(pg, name, slow)
+    try:
+        yield
+    finally:
+        for name, raw in saved:
+            setattr(pg, name, raw)
 
 
 def window_metrics(seconds: dict[str, float], elapsed_s: float, device) -> dict[str, float]:
