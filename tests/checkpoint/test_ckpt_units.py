@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from storage.config import ConfigError, from_dict
 from train.checkpoint import CheckpointConfig, layout, retention
 from train.checkpoint.cli import ckpt
-from train.checkpoint.incremental import Piece, PieceSet, bits, decode, encode, write_deltas
+from train.checkpoint.incremental import Piece, PieceSet, write_deltas
+from train.checkpoint.planes import bits, decode, encode
 
 LOCAL = fsspec.filesystem("file")
 
@@ -30,9 +31,9 @@ def _roundtrip(new: np.ndarray, base: np.ndarray | None) -> tuple[str, list, np.
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
 def test_delta_roundtrip_is_lossless(dtype, monkeypatch):
-    from train.checkpoint import incremental
+    from train.checkpoint import planes
 
-    monkeypatch.setattr(incremental, "CHUNK_ELEMS", 128)  # 5 chunks; the first one unchanged
+    monkeypatch.setattr(planes, "CHUNK_ELEMS", 128)  # 5 chunks; the first one unchanged
     g = torch.Generator().manual_seed(0)
     base = (torch.randn(33, 17, generator=g) * 5).to(dtype)
     new = base.clone()

@@ -59,7 +59,7 @@ class RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_hf_folders_are_read_without_running_their_code(exported, tmp_path):
+def test_hf_folders_are_read_without_running_their_code(tiny_hf, tmp_path):
     """`train eval --hf`, `train generate` and `train ckpt import` read safetensors only and never run a
     folder's own code (config.json's auto_map), whoever made the folder."""
     from safetensors.torch import load_file
@@ -68,7 +68,7 @@ def test_hf_folders_are_read_without_running_their_code(exported, tmp_path):
     from train.eval.hf import load_hf
     from train.generation.load import load
 
-    folder, _, _ = exported
+    folder = tiny_hf[0]
     marker = tmp_path / "code-ran"
     pickled = tmp_path / "pickled"  # weights as a pickle only
     shutil.copytree(folder, pickled)

@@ -1,6 +1,6 @@
 """train.monitor.comm's timing shim in one gloo process: what it counts (by kind, once when nested, async waits),
 what it leaves out (paused monitoring reductions, calls outside a step), that a delay injected into the
-process group (train.monitor.comm.delayed_collectives, beneath the timer's wrappers) or into an async collective's
+process group (train.monitor.comm_delay.delayed_collectives, beneath the timer's wrappers) or into an async collective's
 completion shows up in what the timer measures, and that uninstall restores every patched function."""
 import contextlib
 import threading
@@ -57,7 +57,7 @@ def _step(timer, delay_s: float, compute_s: float = 0.03) -> tuple[float, float]
     paused metrics reduction → (comm s, step s)."""
     import torch.distributed as dist
 
-    from train.monitor.comm import delayed_collectives
+    from train.monitor.comm_delay import delayed_collectives
 
     x = torch.ones(1024)
     t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def test_every_collective_is_slowed_and_timed(timer):
     a delayed process-group method, and the timer counts it once."""
     import torch.distributed as dist
 
-    from train.monitor.comm import delayed_collectives
+    from train.monitor.comm_delay import delayed_collectives
 
     d, x = 0.02, torch.ones(8)
     calls = {"all_reduce": lambda: dist.all_reduce(x), "broadcast": lambda: dist.broadcast(x, 0),
@@ -112,7 +112,7 @@ def test_every_collective_is_slowed_and_timed(timer):
 def test_kinds_nesting_async_and_outside_a_step(timer, groups):
     import torch.distributed as dist
 
-    from train.monitor.comm import delayed_collectives
+    from train.monitor.comm_delay import delayed_collectives
 
     d = 0.02
     x = torch.ones(8)

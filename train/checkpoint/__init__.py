@@ -4,7 +4,7 @@
   whose tensors are written as raw bytes per rank at storage speed (`rawfile.py`; torch_dist for a
   flattened optimizer state); incremental ones store only XOR deltas (byte planes, zstd where they
   shrink) of main-replica tensor pieces against the newest full checkpoint (their base) and reference
-  it (`incremental.py`, `strategies.py`).
+  it (`incremental.py` with the byte-plane codec in `planes.py`, `strategies.py`).
 - Saves are asynchronous: the host copy runs beside the next forward/backward and training waits for
   it only at `before_update()`; a background thread writes; the next save or `wait()` finalizes (`save.py`).
 - Every checkpoint is written under `.tmp-…`, checksummed (XXH3-128 per file in manifest.json), fsynced,

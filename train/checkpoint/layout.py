@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import fsspec
 import xxhash
 
+from train.checkpoint.errors import CheckpointError
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "smoltrain-ckpt/1"
@@ -42,10 +44,6 @@ def step_of(name: str) -> int | None:
 
 def tmp_dir_for(root: str, step: int) -> str:
     return os.path.join(root, f".tmp-{ckpt_name(step)}-{uuid.uuid4().hex[:8]}")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or corrupt; the message names the checkpoint and file."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ import pickle
 import re
 from typing import BinaryIO
 
-from train.checkpoint.layout import CheckpointError
+from train.checkpoint.errors import CheckpointError
 
 # torch.distributed.checkpoint's metadata pickles dataclasses and enums of these modules (torch 2.13:
 # Metadata, TensorStorageMetadata, ChunkStorageMetadata, BytesStorageMetadata, TensorProperties,

@@ -22,7 +22,8 @@ from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStr
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
 from train.checkpoint import safe_load
-from train.checkpoint.incremental import DELTA_DIR, RAW_DIR, Piece, PieceSet, bits, write_deltas, write_raw
+from train.checkpoint.incremental import DELTA_DIR, RAW_DIR, Piece, PieceSet, write_deltas, write_raw
+from train.checkpoint.planes import bits
 
 DELTA_BACKEND = "smoltrain_delta"
 RAW_BACKEND = "smoltrain_raw"

@@ -20,22 +20,10 @@ import torch
 from storage.evaltasks import Task
 from train.eval.requests import encode_items, task_metrics
 from train.eval.scorer import length_batches
+from train.generation.load import load_hf_model
 
 # Models whose causal-LM head is exactly `lm_head(base_model(...).last_hidden_state)`.
 _PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "smollm3"}
-
-
-def load_hf_model(folder: str):
-    """transformers' causal LM of a Hugging Face folder in float32 eval mode. A folder may come from
-    anyone, so its weights are read from safetensors only (a pytorch_model.bin is a pickle, which can run
-    code) and its own Python code (config.json's auto_map) is never run (trust_remote_code=False)."""
-    from transformers import AutoModelForCausalLM
-
-    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
-        raise FileNotFoundError(f"{folder}: no model.safetensors (or model.safetensors.index.json); only safetensors "
-                                "weights are read, never pickled ones such as pytorch_model.bin")
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True,
-                                                trust_remote_code=False).eval()
 
 
 def load_hf(folder: str):

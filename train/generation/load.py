@@ -27,6 +27,20 @@ class Loaded(NamedTuple):
     eos_ids: list[int]
 
 
+def load_hf_model(folder: str):
+    """transformers' causal LM of a Hugging Face folder in float32 eval mode. A folder may come from
+    anyone, so its weights are read from safetensors only (a pytorch_model.bin is a pickle, which can run
+    code) and its own Python code (config.json's auto_map) is never run (trust_remote_code=False)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise FileNotFoundError(f"{folder}: no model.safetensors (or model.safetensors.index.json); only safetensors "
+                                "weights are read, never pickled ones such as pytorch_model.bin")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True,
+                                                trust_remote_code=False).eval()
+
+
 def hf_model(config: dict, weights: dict):
     """A transformers causal LM from an export config dict and Llama-named float tensors."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -109,8 +123,6 @@ def load(path: str) -> Loaded:
     p = os.path.abspath(path)
     if is_hf_folder(p):
         from transformers import AutoTokenizer
-
-        from train.eval.hf import load_hf_model
 
         model = load_hf_model(p)  # safetensors only, never the folder's own code
         tok = AutoTokenizer.from_pretrained(p, trust_remote_code=False)
