@@ -1,10 +1,11 @@
 """Build datatrove's quality filters (Gopher, C4, FineWeb, language ID, fastText) from config specs.
 
-Each filter gets a datatrove `JsonlWriter` as exclusion writer, so every dropped document lands in
-`rejects/<filter>/` with its reason. English word splitting goes through our `FastWordTokenizer`
-(default) or datatrove's spaCy tokenizer (`word_tokenizer: spacy`); thresholds are datatrove's. With the
-fast tokenizer the Gopher repetition rules run as `FastGopherRepetitionFilter` (integer n-gram ids), and
-the Gopher quality and C4 rules as `datapipe.fastfilters`' classes (same rules and results).
+Each filter gets a `datapipe.rejects.RejectsWriter` (datatrove's JsonlWriter) as exclusion writer, so
+every dropped document lands in `rejects/<filter>/` with its reason. English word splitting goes through
+our `FastWordTokenizer` (default) or datatrove's spaCy tokenizer (`word_tokenizer: spacy`); thresholds
+are datatrove's. With the fast tokenizer the Gopher repetition rules run as `FastGopherRepetitionFilter`
+(integer n-gram ids), and the Gopher quality and C4 rules as `datapipe.fastfilters`' classes (same rules
+and results).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from datatrove.pipeline.filters import (
 )
 from datatrove.pipeline.filters.base_filter import BaseFilter
 from datatrove.pipeline.filters.gopher_repetition_filter import find_duplicates
-from datatrove.pipeline.writers.jsonl import JsonlWriter
+from datapipe.rejects import RejectsWriter
 from datatrove.utils.text import split_into_words
 
 from datapipe.config import FilterSpec
@@ -184,7 +185,7 @@ def check_specs(specs: list[FilterSpec], where: str) -> None:
 def build_filter(spec: FilterSpec, tokenizer, rejects_dir: str, index: int) -> BaseFilter:
     """One configured datatrove filter; its rejects go to `rejects_dir/<index>_<type>/`."""
     params = dict(spec.params)
-    writer = JsonlWriter(os.path.join(rejects_dir, f"{index}_{spec.type}"), output_filename="${rank}.jsonl.gz")
+    writer = RejectsWriter(os.path.join(rejects_dir, f"{index}_{spec.type}"))
     cls = _CLASSES[spec.type]
     if spec.type == "language":
         model = params.pop("model")

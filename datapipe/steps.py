@@ -17,7 +17,7 @@ from datapipe.filters import build_filter, filter_label, word_tokenizer
 from datapipe.sources import InputFile
 from datapipe.tokenize import check_special_tokens, load_tokenizer, train_bpe
 from datapipe.workfiles import atomic_json
-from storage.fs import atomic_write_bytes
+from storage import atomic
 
 
 def stats_of(step: PipelineStep) -> dict[str, int]:
@@ -101,9 +101,9 @@ class PrepareTokenizer(PipelineStep):
         if tc.path:
             if os.path.isfile(tc.path):
                 with open(tc.path, "rb") as f:
-                    atomic_write_bytes(self.out_path, f.read())
+                    atomic.write_bytes(self.out_path, f.read())
             else:
-                atomic_write_bytes(self.out_path, load_tokenizer(tc.path).to_str().encode())
+                atomic.write_bytes(self.out_path, load_tokenizer(tc.path).to_str().encode())
         else:
             train_bpe(self._texts(), tc.vocab_size, tc.eos_token, self.out_path, self._special_tokens())
         if self.cfg.chat_template:

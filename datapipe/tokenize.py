@@ -44,9 +44,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str, out_path: s
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    from storage.fs import atomic_write_bytes
+    from storage import atomic
 
-    atomic_write_bytes(out_path, tok.to_str().encode())
+    atomic.write_bytes(out_path, tok.to_str().encode())
     return out_path
 
 
@@ -179,11 +179,11 @@ class TokenizeStep(PipelineStep):
                     off += n
             batch.clear()
 
-        from datatrove.pipeline.writers.jsonl import JsonlWriter
+        from datapipe.rejects import RejectsWriter
 
         rej_dir = self.rejects or os.path.join(self.out.work, "rejects")
         try:
-            with JsonlWriter(os.path.join(rej_dir, "tokenize"), output_filename="${rank}.jsonl.gz") as rej:
+            with RejectsWriter(os.path.join(rej_dir, "tokenize")) as rej:
                 for doc in data:
                     self.stat_update("documents")
                     batch.append(doc)

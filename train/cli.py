@@ -101,6 +101,7 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
     import json
     import os
 
+    from storage import atomic
     from storage.evaltasks import EARLY_SIGNAL, TaskError, load_task
     from train.eval import results
 
@@ -120,8 +121,7 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
             raise click.UsageError(str(e)) from None
         res = score_hf(hf_folder, loaded)
         path = out or os.path.join(hf_folder, "eval.json")
-        with open(path, "w") as f:
-            json.dump({"hf_folder": os.path.abspath(hf_folder), "tasks": res}, f, indent=1)
+        atomic.write_bytes(path, json.dumps({"hf_folder": os.path.abspath(hf_folder), "tasks": res}, indent=1).encode())
         for name, r in res.items():
             m = r["metrics"]
             click.echo(f"{name:<16} acc {m['acc']:.3f}  acc_norm {m['acc_norm']:.3f}  acc_token {m['acc_token']:.3f}"

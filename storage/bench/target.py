@@ -1,8 +1,9 @@
 """Targets (local directory or fsspec URL), preflight checks before any I/O, and test-file cleanup.
 
 Every test file lives in one scratch directory (or object prefix) per target, named
-`.smoltrain-bench-PID-RANDOM`; `Scratch.remove()` deletes it and runs from a `finally`, and SIGTERM is
-turned into KeyboardInterrupt so that Ctrl-C and `kill` both leave nothing behind.
+`.smoltrain-bench-PID-RANDOM`; `Scratch.remove()` deletes it (and aborts unfinished multipart uploads under
+it) and runs from a `finally`, and SIGTERM is turned into KeyboardInterrupt so that Ctrl-C and `kill` both
+leave nothing behind.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import signal
 import uuid
 from dataclasses import dataclass
 
-from storage import fs
+from storage import atomic, fs
 from storage.bench.units import fmt_size
 
 SCRATCH_PREFIX = ".smoltrain-bench-"
@@ -120,6 +121,7 @@ class Scratch:
                 self.fsys.rm(self.root.split("://", 1)[1], recursive=True)
             except FileNotFoundError:
                 pass
+            atomic.abort_uploads(self.root, self.fsys)  # an interrupted upload's parts are billed until aborted
 
 
 def sigterm_as_interrupt() -> None:

@@ -1,7 +1,9 @@
 """End to end through `train launch` (torchrun, 2 gloo processes, DistributedOptimizer, real shard
 dataset): kill -9 the run while an async checkpoint save is in flight (the save of a step drawn from a
 seeded RNG), relaunch, and the loss / grad-norm / data trace after the auto-resume is bit-identical to an
-uninterrupted run. The uninterrupted run's console is also checked to be clean (train.console)."""
+uninterrupted run, and so is the whole run folder, hidden files included (tools.outtree): the interrupted
+save's temporary folder was removed, counted, and saved again. The uninterrupted run's console is also
+checked to be clean (train.console)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +13,8 @@ import sys
 import pytest
 import yaml
 from testutil import free_port, metric_records, run_killable, write_random_dataset
+
+from tools.outtree import TRAIN_VOLATILE, differences, tree
 
 pytestmark = pytest.mark.slow
 TRAIN = os.path.join(os.path.dirname(sys.executable), "train")
@@ -84,7 +88,7 @@ def test_kill_9_and_auto_resume_is_bit_identical(tmp_path):
     log = (tmp_path / "run.log").read_text()
     resumed = _records(run_dir)[before:]
     # the relaunch dropped the interrupted save and resumed from a committed checkpoint before it
-    assert f"removed incomplete checkpoint folder {ckpt / in_flight}" in log, log[-3000:]
+    assert f"removed 1 stale temporary folder from an interrupted run: {ckpt / in_flight}" in log, log[-3000:]
     assert resumed and 0 < resumed[0]["step"] - 1 < save_step, log[-3000:]
     assert f"resumed at step {resumed[0]['step'] - 1}" in log
     for r in resumed:
@@ -93,3 +97,4 @@ def test_kill_9_and_auto_resume_is_bit_identical(tmp_path):
                                                                      want["consumed_tokens"]), r["step"]
     assert resumed[-1]["step"] == 12
     assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]  # the interrupted save was cleaned up
+    assert differences(tree(str(ref_dir), TRAIN_VOLATILE), tree(str(run_dir), TRAIN_VOLATILE)) == []

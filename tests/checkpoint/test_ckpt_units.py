@@ -124,10 +124,14 @@ def test_commit_is_atomic_and_verify_finds_flips_truncation_and_missing_files(tm
     assert "not valid JSON" in layout.verify(LOCAL, str(tmp_path), "step_00000004")[0]
 
 
-def test_stale_tmp_folders_are_removed(tmp_path):
+def test_stale_tmp_folders_are_removed(tmp_path, caplog):
+    """What CheckpointManager does at start-up (rank 0): an interrupted save's folder is removed and counted."""
+    from storage import atomic
+
     os.makedirs(tmp_path / ".tmp-step_00000006" / "x")
     _fake_ckpt(tmp_path, 2)
-    assert layout.remove_stale_tmp(str(tmp_path)) == [".tmp-step_00000006"]
+    assert atomic.sweep(str(tmp_path)) == 1
+    assert f"removed 1 stale temporary folder from an interrupted run: {tmp_path}/.tmp-step_00000006" in caplog.text
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000002"]
 
 

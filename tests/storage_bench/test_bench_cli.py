@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from testutil import default_sigint
 
 from storage.bench.report import REQUIRED_FIELDS
 from storage.cli import main
@@ -150,7 +151,8 @@ def test_signal_leaves_no_test_file(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-m", "storage.cli", "bench", str(target), "--file-size", "32M",
                              "--duration", "60", "--threads", "1", "--sizes", "1M", "--tests", "rand_read",
                              "--rand-sizes", "4K", "--modes", "buffered", "--out", str(tmp_path / "out")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=default_sigint)
     try:
         deadline = time.time() + 60
         while time.time() < deadline:  # wait until the test file exists at full size

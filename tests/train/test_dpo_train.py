@@ -14,6 +14,8 @@ import torch
 import yaml
 from testutil import free_port, metric_records, require, run_killable
 
+from tools.outtree import TRAIN_VOLATILE, differences, tree
+
 from datapipe.demo import preference_pairs
 
 pytestmark = pytest.mark.slow
@@ -148,3 +150,4 @@ def test_kill_9_resumes_bit_identically(setup, pre):
     _train(tmp, "killed", ds, log, "--init", str(ref), kill_when=done, **APO)
     _train(tmp, "killed", ds, log, "--init", str(ref), **APO)
     assert _trace(tmp / "killed") == _trace(pre)
+    assert differences(tree(str(pre), TRAIN_VOLATILE), tree(str(tmp / "killed"), TRAIN_VOLATILE)) == []

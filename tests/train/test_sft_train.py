@@ -12,6 +12,8 @@ import pytest
 import yaml
 from testutil import free_port, metric_records, run_killable, write_random_dataset
 
+from tools.outtree import TRAIN_VOLATILE, differences, tree
+
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).parents[2]
@@ -98,5 +100,6 @@ def test_epochs_set_steps_and_kill_9_resumes_bit_identically(tmp_path, docs):
     assert _run(run, log) == 0, log.read_text()[-4000:]
     got = {r["step"]: (r["loss"], r["grad_norm"]) for r in metric_records(tmp_path / "killed")}
     assert got == trace  # bit-identical
+    assert differences(tree(str(tmp_path / "ref"), TRAIN_VOLATILE), tree(str(tmp_path / "killed"), TRAIN_VOLATILE)) == []
     events = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert any(e.get("event") == "resume" for e in events)
