@@ -39,7 +39,7 @@ from tools.outtree import BUILD_VOLATILE, TRAIN_VOLATILE, differences, tree
 
 BIN = Path(sys.executable).parent
 STALE = re.compile(r"removed (\d+) stale temporary (file|folder)s?(?: and (\d+) stale temporary folders?)?")
-STEPS = 20
+STEPS = 100
 
 
 @dataclass
