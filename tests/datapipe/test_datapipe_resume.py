@@ -18,10 +18,11 @@ from testutil import read_corpus, write_jsonl
 from tools.outtree import BUILD_VOLATILE, differences, tree
 
 
-def _run(config: Path, log: Path, kill_when=None) -> bool:
-    """Run `datapipe build` (output appended to `log`); with kill_when, SIGKILL it (the build process alone, as
-    the OOM killer or a crash would) as soon as kill_when() is true. True if killed. Its datatrove pool
-    workers must then go too: none of the build's process group may be left after a few seconds."""
+def _run(config: Path, log: Path, kill_when=None, group: bool = False) -> bool:
+    """Run `datapipe build` (output appended to `log`); with kill_when, SIGKILL it as soon as kill_when() is
+    true: the build process alone, as the OOM killer or a crash would (its datatrove pool workers must then
+    go too: none of the build's process group may be left after a few seconds), or with `group` every
+    process of the build at once, as a machine failure would. True if killed."""
     cmd = [sys.executable, "-m", "datapipe.cli", "build", str(config), "--quiet", "--workers", "2"]
     with open(log, "a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -30,7 +31,7 @@ def _run(config: Path, log: Path, kill_when=None) -> bool:
             return False
         while proc.poll() is None:
             if kill_when():
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
                 proc.wait()
                 _assert_group_gone(proc.pid)
                 return True
@@ -76,11 +77,12 @@ def test_kill9_then_rerun_is_byte_identical(tmp_path, small_tokenizer):
     assert any(k.endswith(".tar") for k in reference) and "manifest.json" in reference
     shutil.move(out, tmp_path / "reference")
 
-    # killed while a tokenize task writes a shard (the temporary shard stays behind), then in the last stage
-    assert _run(config, log, kill_when=lambda: bool(_writing_a_shard(out))), "no shard write was caught"
+    # killed (every process at once) while a tokenize task writes a shard: the temporary shard stays behind
+    assert _run(config, log, kill_when=lambda: bool(_writing_a_shard(out)), group=True), "no shard write was caught"
     left = _writing_a_shard(out)
     assert left, "the killed shard write left no temporary file: nothing to check"
-    last = out / "_work" / "logs" / "validation"  # the last stages: validation split, then the manifest
+    # then (the build process alone) in its last stages: validation split, then the manifest
+    last = out / "_work" / "logs" / "validation"
     assert _run(config, log, kill_when=last.exists), "the build finished before its last stages could be killed"
     assert not (out / "manifest.json").exists()
     _run(config, log)
