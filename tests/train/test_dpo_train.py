@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from testutil import free_port, metric_records, require, run_killable
+from testutil import metric_records, require, run_killable
 
 from tools.outtree import TRAIN_VOLATILE, differences, tree
 
@@ -59,8 +59,7 @@ def _train(tmp: Path, name: str, ds: Path, log: Path, *args, kill_when=None, **o
         node[last] = v
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    rc = _cli(["train", "launch", str(path), "--nproc", "1", "--set", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}",
-               *args], log, kill_when=kill_when)
+    rc = _cli(["train", "launch", str(path), "--nproc", "1", *args], log, kill_when=kill_when)  # standalone
     assert rc == ("killed" if kill_when else 0), log.read_text()[-4000:]
     return tmp / name
 

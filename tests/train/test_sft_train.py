@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from testutil import free_port, metric_records, run_killable, write_random_dataset
+from testutil import metric_records, run_killable, write_random_dataset
 
 from tools.outtree import TRAIN_VOLATILE, differences, tree
 
@@ -38,8 +38,7 @@ def _config(tmp: Path, name: str, dataset: str, **over) -> Path:
 
 
 def _run(cfg: Path, log: Path, nproc: int = 1, kill_when=None):
-    cmd = [str(BIN / "train"), "launch", str(cfg), "--nproc", str(nproc),
-           "--set", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}"]
+    cmd = [str(BIN / "train"), "launch", str(cfg), "--nproc", str(nproc)]  # standalone: a free port
     return run_killable(cmd, log, kill_when=kill_when)
 
 
