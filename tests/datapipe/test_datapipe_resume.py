@@ -1,6 +1,7 @@
-"""A build killed with SIGKILL while it writes a shard, rerun, killed again in its last stage and rerun to the
-end leaves the uninterrupted build's whole output tree, hidden files included (tools.outtree): the killed
-write's temporary shard is removed and counted by the rerun, never published."""
+"""A build killed with SIGKILL while it writes a shard, rerun (2 workers), killed again in its last stages and
+rerun to the end leaves the uninterrupted build's whole output tree, hidden files included (tools.outtree):
+the killed write's temporary shard is removed and counted by the rerun, never published, and no process of
+a killed build stays behind."""
 from __future__ import annotations
 
 import os
@@ -18,12 +19,12 @@ from testutil import read_corpus, write_jsonl
 from tools.outtree import BUILD_VOLATILE, differences, tree
 
 
-def _run(config: Path, log: Path, kill_when=None, group: bool = False) -> bool:
-    """Run `datapipe build` (output appended to `log`); with kill_when, SIGKILL it as soon as kill_when() is
-    true: the build process alone, as the OOM killer or a crash would (its datatrove pool workers must then
-    go too: none of the build's process group may be left after a few seconds), or with `group` every
-    process of the build at once, as a machine failure would. True if killed."""
-    cmd = [sys.executable, "-m", "datapipe.cli", "build", str(config), "--quiet", "--workers", "2"]
+def _run(config: Path, log: Path, kill_when=None, workers: int = 1) -> bool:
+    """Run `datapipe build` (output appended to `log`); with kill_when, SIGKILL the build process alone (as
+    the OOM killer or a crash would) as soon as kill_when() is true. True if killed. With several workers
+    its datatrove Manager and pool processes must then go too: none of the build's process group may be
+    left after a few seconds."""
+    cmd = [sys.executable, "-m", "datapipe.cli", "build", str(config), "--quiet", "--workers", str(workers)]
     with open(log, "a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         if kill_when is None:
@@ -31,7 +32,7 @@ def _run(config: Path, log: Path, kill_when=None, group: bool = False) -> bool:
             return False
         while proc.poll() is None:
             if kill_when():
-                os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
+                proc.kill()
                 proc.wait()
                 _assert_group_gone(proc.pid)
                 return True
@@ -77,13 +78,13 @@ def test_kill9_then_rerun_is_byte_identical(tmp_path, small_tokenizer):
     assert any(k.endswith(".tar") for k in reference) and "manifest.json" in reference
     shutil.move(out, tmp_path / "reference")
 
-    # killed (every process at once) while a tokenize task writes a shard: the temporary shard stays behind
-    assert _run(config, log, kill_when=lambda: bool(_writing_a_shard(out)), group=True), "no shard write was caught"
+    # killed while a tokenize task writes a shard (one worker: the task runs in the build process), so the
+    # temporary shard stays behind; then, rerun with 2 workers, in its last stages (validation split, manifest)
+    assert _run(config, log, kill_when=lambda: bool(_writing_a_shard(out))), "no shard write was caught"
     left = _writing_a_shard(out)
     assert left, "the killed shard write left no temporary file: nothing to check"
-    # then (the build process alone) in its last stages: validation split, then the manifest
     last = out / "_work" / "logs" / "validation"
-    assert _run(config, log, kill_when=last.exists), "the build finished before its last stages could be killed"
+    assert _run(config, log, kill_when=last.exists, workers=2), "the build finished before its last stages"
     assert not (out / "manifest.json").exists()
     _run(config, log)
     assert differences(reference, tree(str(out), BUILD_VOLATILE)) == []

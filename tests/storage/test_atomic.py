@@ -74,7 +74,7 @@ def test_two_writers_of_one_file_never_publish_a_mix(tmp_path):
     b.commit()
     assert open(path, "rb").read() == b"b" * 20 and _tree(tmp_path) == ["config.yaml"]
     # `shared`: processes writing the same bytes at once (each node's launcher writes the run's config.yaml)
-    code = f"from storage import atomic\nfor _ in range(200): atomic.write_bytes({path!r}, b'same' * 999, shared=True)"
+    code = f"from storage import atomic\nfor _ in range(100): atomic.write_bytes({path!r}, b'same' * 999, shared=True)"
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert _tree(tmp_path) == ["config.yaml"] and open(path, "rb").read() == b"same" * 999
