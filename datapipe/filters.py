@@ -24,11 +24,11 @@ from datatrove.pipeline.filters import (
 )
 from datatrove.pipeline.filters.base_filter import BaseFilter
 from datatrove.pipeline.filters.gopher_repetition_filter import find_duplicates
-from datapipe.rejects import RejectsWriter
 from datatrove.utils.text import split_into_words
 
 from datapipe.config import FilterSpec
 from datapipe.fastfilters import FastC4QualityFilter, FastGopherQualityFilter
+from datapipe.rejects import RejectsWriter
 from datapipe.wordtok import FastWordTokenizer
 from storage.config import ConfigError
 

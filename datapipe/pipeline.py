@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from datatrove.pipeline.base import PipelineStep
-from datapipe.rejects import RejectsWriter
 
 from datapipe import executors, slurm
 from datapipe.chat import load_template, template_special_tokens
@@ -49,6 +48,7 @@ from datapipe.dedup.minhash import FastMinhashSignature, minhash_config
 from datapipe.dedup.verify import MinhashVerify
 from datapipe.filters import check_specs
 from datapipe.normalize import Normalize
+from datapipe.rejects import RejectsWriter
 from datapipe.shardout import ShardOut, WriteValidation, source_infos, task_info_path
 from datapipe.sources import SourceReader, check_fields, expand_sources
 from datapipe.steps import CountsDump, PerSourceFilters, PrepareTokenizer

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import fsspec
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
-from datapipe.rejects import RejectsWriter
 
 from datapipe.chat import ConversationError, render, validate_conversation
 from datapipe.config import NormalizeConfig, SourceConfig
 from datapipe.normalize import normalize_text
 from datapipe.preference import read_pair
+from datapipe.rejects import RejectsWriter
 
 
 class InputError(RuntimeError):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import fsspec
 
+from storage import atomic
 from storage import config as cfgmod
 from storage.config import ConfigError
 from train.checkpoint import layout
@@ -124,8 +125,6 @@ def launch(ckpts: list[str], cfg: TrainConfig, out_dir: str, nproc: int, tokeniz
     if cfg.eval.tasks and not tok:
         raise ConfigError("key 'eval.tasks': no tokenizer known for this checkpoint; give --tokenizer")
     cfg.eval.load_tasks()
-    from storage import atomic
-
     os.makedirs(out_dir, exist_ok=True)
     atomic.sweep(out_dir)  # result files an interrupted evaluation left half-written
     # the workers' spec lives in the system's temporary folder (standalone: one machine), not in OUT
@@ -146,8 +145,6 @@ def launch(ckpts: list[str], cfg: TrainConfig, out_dir: str, nproc: int, tokeniz
 
 def write_result(out_dir: str, rec: dict) -> str:
     """OUT/<label>.json for a labeled record, else OUT/<checkpoint>.json; stamps "evaluated_at"."""
-    from storage import atomic
-
     rec.setdefault("evaluated_at", time.time())
     path = os.path.join(out_dir, f"{rec.get('label') or rec['checkpoint']}.json")
     atomic.write_bytes(path, json.dumps(rec, indent=1).encode())
