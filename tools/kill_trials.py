@@ -6,13 +6,15 @@ whose bytes hold times is compared in normalized form or not at all).
 - train: `train launch` of the tiny model with TP=2 on two CPU processes (gloo), async full checkpoints
   every 6 steps and incremental ones every 2 (keep_last 3), on the demo dataset.
 
-Each trial starts from an empty output folder, kills the run (the process group and every descendant, as
-a machine failure would) at a point drawn from the seed, reruns the same command to the end and compares
-trees. Kill points are spread over the whole run: trial k of n is killed at a fraction f of the
-uninterrupted run's wall time, f drawn in [k/n, (k+1)/n) (so the last tenth gets its share); a run that
-finished before its kill is retried with f lowered by 5 %, so every trial is a real kill. It prints one line
-per trial (where the kill landed: the stage or the step, a checkpoint save in flight, the leftovers the
-rerun removed) and a summary, and with `--report` writes that summary as markdown.
+The uninterrupted run is made three times: its trees must agree (else the comparison would prove
+nothing), and the median of the three wall times is the run's length. Each trial starts from an empty
+output folder, kills the run (the process group and every descendant, as a machine failure would) at a
+point drawn from the seed, reruns the same command to the end and compares trees. Kill points are spread
+over the whole run: trial k of n is killed at a fraction f of the run's length, f drawn in [k/n, (k+1)/n)
+(so the last tenth gets its share); a run that finished before its kill is retried with f lowered by 5 %,
+so every trial is a real kill. It prints one line per trial (where the kill landed: the stage or the step,
+a checkpoint save in flight, the leftovers the rerun removed) and a summary, and with `--report` writes
+that summary as markdown. Run it alone on the machine (`flock`): the kill points are times.
 
     python -m tools.kill_trials [--build 50] [--train 20] [--seed 34] [--work /tmp/kill-trials]
                                 [--report docs/kill-trials.md]
@@ -115,6 +117,20 @@ def rerun_and_compare(trial: Trial, cmd: list[str], out: Path, log: Path, ref: d
     trial.diff = differences(ref, tree(str(out), volatile))
 
 
+def reference(cmd: list[str], out: Path, log: Path, volatile, fresh) -> tuple[dict, float]:
+    """Three uninterrupted runs: their common tree and the median wall time (trees must agree)."""
+    trees, times = [], []
+    for _ in range(3):
+        fresh()
+        rc, secs, _ = run(cmd, log)
+        assert rc == 0, f"uninterrupted run failed (exit status {rc}); see {log}"
+        trees.append(tree(str(out), volatile))
+        times.append(secs)
+    for t in trees[1:]:
+        assert not differences(trees[0], t), f"two uninterrupted runs differ: {differences(trees[0], t)}"
+    return trees[0], sorted(times)[1]
+
+
 def killed_run(trial: Trial, cmd: list[str], ref_seconds: float, log: Path, probe, fresh) -> None:
     """Kill `cmd` at trial.f of the reference's wall time; lower f by 5 % until the kill lands in the run."""
     while True:
@@ -142,13 +158,11 @@ def build_trials(n: int, rng: random.Random, work: Path, log: Path) -> tuple[lis
     out = work / "build" / "ds"
     cmd = [str(BIN / "datapipe"), "build", "--quiet", "--workers", "2", "--set", f"output={out}"]
     shutil.rmtree(work / "build", ignore_errors=True)
-    rc, ref_s, _ = run(cmd, log)
-    assert rc == 0, f"reference build failed; see {log}"
-    ref = tree(str(out), BUILD_VOLATILE)
+    ref, ref_s = reference(cmd, out, log, BUILD_VOLATILE, lambda: shutil.rmtree(out, ignore_errors=True))
     dataset = work / "dataset"
     shutil.rmtree(dataset, ignore_errors=True)
     shutil.copytree(out, dataset)
-    print(f"build: reference {ref_s:.1f} s, {len(ref)} files compared", flush=True)
+    print(f"build: 3 uninterrupted runs agree, median {ref_s:.1f} s, {len(ref)} files compared", flush=True)
     trials = []
     for k in range(n):
         t = Trial("build", k, (k + rng.random()) / n)
@@ -192,10 +206,8 @@ def train_trials(n: int, rng: random.Random, work: Path, dataset: Path, log: Pat
     cfg.parent.mkdir(parents=True)
     train_config(cfg, run_dir, dataset)
     cmd = [str(BIN / "train"), "launch", str(cfg), "--nproc", "2"]
-    rc, ref_s, _ = run(cmd, log)
-    assert rc == 0, f"reference training failed; see {log}"
-    ref = tree(str(run_dir), TRAIN_VOLATILE)
-    print(f"train: reference {ref_s:.1f} s, {len(ref)} files compared", flush=True)
+    ref, ref_s = reference(cmd, run_dir, log, TRAIN_VOLATILE, lambda: shutil.rmtree(run_dir, ignore_errors=True))
+    print(f"train: 3 uninterrupted runs agree, median {ref_s:.1f} s, {len(ref)} files compared", flush=True)
     trials = []
     for k in range(n):
         t = Trial("train", k, (k + rng.random()) / n)
@@ -220,7 +232,7 @@ def summary(trials: list[Trial], ref_s: float, what: str) -> list[str]:
     ok = sum(t.ok for t in trials)
     last = [t for t in trials if t.f >= 0.9]
     removed = [t for t in trials if t.removed]
-    return [f"- {what}: **{ok}/{len(trials)} identical** (reference run {ref_s:.0f} s); kill points from "
+    return [f"- {what}: **{ok}/{len(trials)} identical** (uninterrupted run {ref_s:.0f} s); kill points from "
             f"{100 * min(t.f for t in trials):.1f}% to {100 * max(t.f for t in trials):.1f}% of the run, "
             f"{len(last)} in its last 10%; {len(removed)} reruns found and removed leftovers of the killed run "
             f"({sum(t.removed for t in removed)} stale temporary files and folders in all)"]
