@@ -11,13 +11,14 @@ nothing), and the median of the three wall times is the run's length. Each trial
 output folder, kills the run (the process group and every descendant, as a machine failure would) at a
 point drawn from the seed, reruns the same command to the end and compares trees. Kill points are spread
 over the whole run: trial k of n is killed at a fraction f of the run's length, f drawn in [k/n, (k+1)/n)
-(so the last tenth gets its share); a run that finished before its kill is retried with f lowered by 5 %,
+(so the last tenth gets its share; `--train-window steps`: of the training run from its first step on,
+start-up excluded); a run that finished before its kill is retried with f lowered by 5 %,
 so every trial is a real kill. It prints one line per trial (where the kill landed: the stage or the step,
 a checkpoint save in flight, the leftovers the rerun removed) and a summary, and with `--report` writes
 that summary as markdown. Run it alone on the machine (`flock`): the kill points are times.
 
-    python -m tools.kill_trials [--build 50] [--train 20] [--seed 34] [--work /tmp/kill-trials]
-                                [--report docs/kill-trials.md]
+    python -m tools.kill_trials [--build 50] [--train 20] [--seed 34] [--train-window run|steps]
+                                [--work /tmp/kill-trials] [--report docs/kill-trials.md]
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,15 +79,18 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def run(cmd: list[str], log: Path, kill_after: float | None = None, probe=None) -> tuple[int | str, float, str]:
+def run(cmd: list[str], log: Path, kill_after: float | None = None, probe=None,
+        started=None) -> tuple[int | str, float, str]:
     """Run cmd (its own session, output appended to `log`); with kill_after, SIGKILL it after that many
-    seconds. Returns (exit status or "killed", seconds, what `probe()` said at the kill)."""
+    seconds. Returns (exit status or "killed", seconds, what `probe()` said at the kill); with `started`,
+    the third item is instead the seconds until started() first held (a run's start-up)."""
     with open(log, "a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
         t0 = time.monotonic()
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        up = None
         try:
             while p.poll() is None:
                 if kill_after is not None and time.monotonic() - t0 >= kill_after:
@@ -93,8 +98,10 @@ def run(cmd: list[str], log: Path, kill_after: float | None = None, probe=None) 
                     kill_tree(p.pid)
                     rc = p.wait()
                     return ("killed" if rc == -signal.SIGKILL else rc), time.monotonic() - t0, seen
+                if started is not None and up is None and started():
+                    up = time.monotonic() - t0
                 time.sleep(0.005)
-            return p.returncode, time.monotonic() - t0, ""
+            return p.returncode, time.monotonic() - t0, up
         finally:
             kill_tree(p.pid)  # leftovers of the group (megatron's helper processes)
 
@@ -117,18 +124,20 @@ def rerun_and_compare(trial: Trial, cmd: list[str], out: Path, log: Path, ref: d
     trial.diff = differences(ref, tree(str(out), volatile))
 
 
-def reference(cmd: list[str], out: Path, log: Path, volatile, fresh) -> tuple[dict, float]:
-    """Three uninterrupted runs: their common tree and the median wall time (trees must agree)."""
-    trees, times = [], []
+def reference(cmd: list[str], out: Path, log: Path, volatile, fresh, started=None) -> tuple[dict, float, float]:
+    """Three uninterrupted runs: their common tree (they must agree), the median wall time and the median
+    start-up (until `started()` first held; 0 without it)."""
+    trees, times, ups = [], [], []
     for _ in range(3):
         fresh()
-        rc, secs, _ = run(cmd, log)
+        rc, secs, up = run(cmd, log, started=started)
         assert rc == 0, f"uninterrupted run failed (exit status {rc}); see {log}"
         trees.append(tree(str(out), volatile))
         times.append(secs)
+        ups.append(up or 0.0)
     for t in trees[1:]:
         assert not differences(trees[0], t), f"two uninterrupted runs differ: {differences(trees[0], t)}"
-    return trees[0], sorted(times)[1]
+    return trees[0], sorted(times)[1], sorted(ups)[1]
 
 
 def killed_run(trial: Trial, cmd: list[str], ref_seconds: float, log: Path, probe, fresh) -> None:
@@ -158,7 +167,7 @@ def build_trials(n: int, rng: random.Random, work: Path, log: Path) -> tuple[lis
     out = work / "build" / "ds"
     cmd = [str(BIN / "datapipe"), "build", "--quiet", "--workers", "2", "--set", f"output={out}"]
     shutil.rmtree(work / "build", ignore_errors=True)
-    ref, ref_s = reference(cmd, out, log, BUILD_VOLATILE, lambda: shutil.rmtree(out, ignore_errors=True))
+    ref, ref_s, _ = reference(cmd, out, log, BUILD_VOLATILE, lambda: shutil.rmtree(out, ignore_errors=True))
     dataset = work / "dataset"
     shutil.rmtree(dataset, ignore_errors=True)
     shutil.copytree(out, dataset)
@@ -200,17 +209,22 @@ def train_progress(run_dir: Path) -> str:
     return (f"after step {steps}" if steps else "start-up") + (f", saving {saving[0][5:]}" if saving else "")
 
 
-def train_trials(n: int, rng: random.Random, work: Path, dataset: Path, log: Path) -> tuple[list[Trial], float]:
+def train_trials(n: int, rng: random.Random, work: Path, dataset: Path, log: Path,
+                 window: str) -> tuple[list[Trial], float, float]:
     run_dir, cfg = work / "train" / "run", work / "train" / "train.yaml"
     shutil.rmtree(work / "train", ignore_errors=True)
     cfg.parent.mkdir(parents=True)
     train_config(cfg, run_dir, dataset)
     cmd = [str(BIN / "train"), "launch", str(cfg), "--nproc", "2"]
-    ref, ref_s = reference(cmd, run_dir, log, TRAIN_VOLATILE, lambda: shutil.rmtree(run_dir, ignore_errors=True))
-    print(f"train: 3 uninterrupted runs agree, median {ref_s:.1f} s, {len(ref)} files compared", flush=True)
+    metrics = run_dir / "metrics.jsonl"
+    ref, ref_s, up_s = reference(cmd, run_dir, log, TRAIN_VOLATILE, lambda: shutil.rmtree(run_dir, ignore_errors=True),
+                                 started=lambda: metrics.exists() and metrics.stat().st_size > 0)
+    print(f"train: 3 uninterrupted runs agree, median {ref_s:.1f} s (start-up {up_s:.1f} s), {len(ref)} files "
+          "compared", flush=True)
+    lo = up_s / ref_s if window == "steps" else 0.0  # kill points over the whole run, or from its first step on
     trials = []
     for k in range(n):
-        t = Trial("train", k, (k + rng.random()) / n)
+        t = Trial("train", k, lo + (1 - lo) * (k + rng.random()) / n)
         t0 = time.monotonic()
         killed_run(t, cmd, ref_s, log, lambda: train_progress(run_dir),
                    lambda: shutil.rmtree(run_dir, ignore_errors=True))
@@ -218,7 +232,7 @@ def train_trials(n: int, rng: random.Random, work: Path, dataset: Path, log: Pat
         t.seconds = time.monotonic() - t0
         trials.append(t)
         print(line(t), flush=True)
-    return trials, ref_s
+    return trials, ref_s, up_s
 
 
 # -- report --------------------------------------------------------------------------------------------
@@ -228,13 +242,26 @@ def line(t: Trial) -> str:
             f"stale temporary file(s); tree {verdict}")
 
 
+def landed(t: Trial) -> str:
+    """Where a kill landed, coarsely: the build's stage, or start-up / training / after the last step."""
+    if t.kind == "build":
+        return t.where.split(" ")[0]
+    if t.where.startswith("start-up"):
+        return "start-up"
+    return "after the last step" if t.where.startswith(f"after step {STEPS}") else "training"
+
+
 def summary(trials: list[Trial], ref_s: float, what: str) -> list[str]:
     ok = sum(t.ok for t in trials)
     last = [t for t in trials if t.f >= 0.9]
     removed = [t for t in trials if t.removed]
+    where = Counter(landed(t) for t in trials)
+    saving = sum("saving" in t.where for t in trials)
     return [f"- {what}: **{ok}/{len(trials)} identical** (uninterrupted run {ref_s:.0f} s); kill points from "
             f"{100 * min(t.f for t in trials):.1f}% to {100 * max(t.f for t in trials):.1f}% of the run, "
-            f"{len(last)} in its last 10%; {len(removed)} reruns found and removed leftovers of the killed run "
+            f"{len(last)} in its last 10%; landed in {', '.join(f'{k} {v}' for k, v in where.items())}"
+            + (f" ({saving} while a checkpoint save was in flight)" if trials[0].kind == "train" else "")
+            + f"; {len(removed)} reruns found and removed leftovers of the killed run "
             f"({sum(t.removed for t in removed)} stale temporary files and folders in all)"]
 
 
@@ -245,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", type=int, default=20, help="training trials")
     ap.add_argument("--seed", type=int, default=34, help="draws the kill points")
     ap.add_argument("--work", default="/tmp/kill-trials", help="scratch folder (removed first)")
+    ap.add_argument("--train-window", choices=["run", "steps"], default="run",
+                    help="training kill points over the whole run, or from its first step on (start-up excluded)")
     ap.add_argument("--report", default=None, help="write the summary (markdown) to this file")
     a = ap.parse_args(argv)
     work = Path(a.work).resolve()
@@ -254,11 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(a.seed)
     t0 = time.monotonic()
     builds, build_s, dataset = build_trials(a.build, rng, work, log)
-    trains, train_s = train_trials(a.train, rng, work, dataset, log) if a.train else ([], 0.0)
-    lines = summary(builds, build_s, "`datapipe build` (demo corpus, `--workers 2`)")
+    trains, train_s, up_s = train_trials(a.train, rng, work, dataset, log, a.train_window) if a.train \
+        else ([], 0.0, 0.0)
+    lines = summary(builds, build_s, "`datapipe build` (demo corpus, `--workers 2`)") if builds else []
     if trains:
+        window = f"from its first step on (start-up {up_s:.0f} s)" if a.train_window == "steps" else "over the whole run"
         lines += summary(trains, train_s, f"`train launch` (tiny, TP=2 on 2 CPU processes, {STEPS} steps, async "
-                                          "full checkpoints every 6 steps + incremental every 2)")
+                                          f"full checkpoints every 6 steps + incremental every 2; kill points {window})")
     cmd = "python -m tools.kill_trials " + " ".join(argv if argv is not None else sys.argv[1:])
     print("\n".join(["", *lines, f"total {time.monotonic() - t0:.0f} s"]))
     if a.report:
