@@ -14,7 +14,7 @@ over the whole run: trial k of n is killed at a fraction f of the run's length, 
 (so the last tenth gets its share; `--train-window steps`: of the training run from its first step on,
 start-up excluded); a run that finished before its kill is retried with f lowered by 5 %,
 so every trial is a real kill. It prints one line per trial (where the kill landed: the stage or the step,
-a checkpoint save in flight, the leftovers the rerun removed) and a summary, and with `--report` writes
+a checkpoint save in flight, the leftovers the rerun removed) and a summary, and with `--report` appends
 that summary as markdown. Run it alone on the machine (`flock`): the kill points are times.
 
     python -m tools.kill_trials [--build 50] [--train 20] [--seed 34] [--train-window run|steps]
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/kill-trials", help="scratch folder (removed first)")
     ap.add_argument("--train-window", choices=["run", "steps"], default="run",
                     help="training kill points over the whole run, or from its first step on (start-up excluded)")
-    ap.add_argument("--report", default=None, help="write the summary (markdown) to this file")
+    ap.add_argument("--report", default=None, help="append the summary (markdown) to this file")
     a = ap.parse_args(argv)
     work = Path(a.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -292,11 +292,12 @@ def main(argv: list[str] | None = None) -> int:
                                           f"full checkpoints every 6 steps + incremental every 2; kill points {window})")
     cmd = "python -m tools.kill_trials " + " ".join(argv if argv is not None else sys.argv[1:])
     print("\n".join(["", *lines, f"total {time.monotonic() - t0:.0f} s"]))
-    if a.report:
-        body = [f"Command: `{cmd.strip()}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, "
-                f"total {(time.monotonic() - t0) / 60:.0f} min)", "", *lines, "", "Per trial:", "", "```",
-                *[line(t) for t in builds + trains], "```", ""]
-        Path(a.report).write_text("\n".join(body))
+    if a.report:  # appended, as tools/bench/ scripts append to docs/benchmarks.md
+        body = [f"## {time.strftime('%Y-%m-%d')}: `{cmd.strip()}`", "",
+                f"{os.cpu_count()} CPUs, {(time.monotonic() - t0) / 60:.0f} min in all.", "", *lines, "",
+                "Per trial:", "", "```", *[line(t) for t in builds + trains], "```", "", ""]
+        with open(a.report, "a") as f:
+            f.write("\n".join(body))
     return 0 if all(t.ok for t in builds + trains) else 1
 
 
