@@ -95,7 +95,7 @@ def test_default_sigint_lets_a_background_jobs_child_see_sigint(tmp_path, reset)
         child = psutil.Process(int(job.stdout.readline()))
         os.kill(child.pid, signal.SIGINT)
         try:
-            child.wait(timeout=10 if reset else 2)
+            child.wait(timeout=10 if reset else 1)
             died = True
         except psutil.TimeoutExpired:
             died = False
