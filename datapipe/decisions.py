@@ -25,7 +25,7 @@ from datatrove.pipeline.base import PipelineStep
 from datapipe.dedup.clusters import near_removals
 from datapipe.dedup.exact import exact_removals
 from datapipe.workfiles import atomic_npy, load_npy
-from storage.fs import atomic_write_bytes
+from storage import atomic
 
 
 def kept_path(work: str, rank: int) -> str:
@@ -99,8 +99,8 @@ class FilterAndRecord(PipelineStep):
             labels.append([doc.metadata.get(k) for k in _LABELS])
             yield doc
         atomic_npy(kept_path(self.work, rank), np.asarray(kept, dtype=np.uint32))
-        atomic_write_bytes(langs_path(self.work, rank), gzip.compress(json.dumps(labels).encode(), 1, mtime=0))
-        atomic_write_bytes(edits_path(self.work, rank), gzip.compress(json.dumps(edits).encode(), 1, mtime=0))
+        atomic.write_bytes(langs_path(self.work, rank), gzip.compress(json.dumps(labels).encode(), 1, mtime=0))
+        atomic.write_bytes(edits_path(self.work, rank), gzip.compress(json.dumps(edits).encode(), 1, mtime=0))
 
 
 class Select(PipelineStep):

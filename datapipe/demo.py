@@ -13,6 +13,7 @@ import os
 import sysconfig
 
 from datapipe.config import BuildConfig, FilterSpec, MixConfig, PhaseSpec, SourceConfig, TokenizerConfig
+from storage import atomic
 
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")  # reserved in the demo tokenizer for the SFT stage
 
@@ -58,10 +59,8 @@ def demo_config(output: str, limit: int = 400, base: BuildConfig | None = None) 
     tokenizer (ChatML's control tokens reserved, for the SFT stage) and mix where `base` leaves them at
     their defaults."""
     src_dir = os.path.join(output, "_demo_input")
-    os.makedirs(src_dir, exist_ok=True)
     for name, docs in (("stdlib", _stdlib_docs(limit)), ("topics", _topics())):
-        with open(os.path.join(src_dir, f"{name}.jsonl"), "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(d) + "\n" for d in docs)
+        atomic.write_bytes(os.path.join(src_dir, f"{name}.jsonl"), "".join(json.dumps(d) + "\n" for d in docs).encode())
     relaxed = [FilterSpec("gopher_quality", {"min_doc_words": 20, "max_non_alpha_words_ratio": 0.5}),
                FilterSpec("fineweb", {"line_punct_thr": 0.05, "short_line_thr": 0.9, "char_duplicates_ratio": 0.2,
                                       "new_line_ratio": 0.5})]

@@ -1,6 +1,6 @@
 """Build datatrove's quality filters (Gopher, C4, FineWeb, language ID, fastText) from config specs.
 
-Each filter gets a datatrove `JsonlWriter` as exclusion writer, so every dropped document lands in
+Each filter gets a `datapipe.rejects.RejectsWriter` (datatrove's JsonlWriter) as exclusion writer, so every dropped document lands in
 `rejects/<filter>/` with its reason. Filter i of a source's chain is a `PerLanguage` filter: each
 document is judged by an instance built for its language settings (`datapipe.langsettings.route`, in
 the document's `language_settings` metadata) with that language's word split: our `FastWordTokenizer`
@@ -26,12 +26,12 @@ from datatrove.pipeline.filters import (
 )
 from datatrove.pipeline.filters.base_filter import BaseFilter
 from datatrove.pipeline.filters.gopher_repetition_filter import find_duplicates
-from datatrove.pipeline.writers.jsonl import JsonlWriter
 from datatrove.utils.text import split_into_words
 
 from datapipe.filterspec import FilterSpec
 from datapipe.fastfilters import FastC4QualityFilter, FastGopherQualityFilter
 from datapipe.langsettings import filter_params
+from datapipe.rejects import RejectsWriter
 from datapipe.wordtok import ELIDING, FastWordTokenizer
 from storage.config import ConfigError
 
@@ -237,7 +237,7 @@ def check_specs(specs: list[FilterSpec], where: str) -> None:
 def chain_filter(spec: FilterSpec, kind: str, overrides: dict, rejects_dir: str, index: int) -> BaseFilter:
     """Filter `index` of a chain; its rejects go to `rejects_dir/<index>_<type>/`. The Gopher, C4 and
     FineWeb rules judge each document with its language's settings (`PerLanguage`)."""
-    writer = JsonlWriter(os.path.join(rejects_dir, f"{index}_{spec.type}"), output_filename="${rank}.jsonl.gz")
+    writer = RejectsWriter(os.path.join(rejects_dir, f"{index}_{spec.type}"))
     if spec.type in per_language_params():
         return PerLanguage(spec, kind, overrides, writer)
     return build_filter(spec, word_tokenizer(kind), writer)

@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 from datatrove.pipeline.base import PipelineStep
-from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from datapipe import emptycheck, executors, slurm
 from storage.chat import load_template, template_special_tokens
@@ -55,14 +54,15 @@ from datapipe.filters import check_specs
 from datapipe.langid import load_model
 from datapipe.langsettings import canonical
 from datapipe.normalize import Normalize
+from datapipe.rejects import RejectsWriter
 from datapipe.shardout import ShardOut, WriteValidation, source_infos, task_info_path
 from datapipe.sources import SourceReader, check_fields, expand_sources
 from datapipe.steps import CountsDump, PerSourceFilters, PrepareTokenizer
 from datapipe.tokenize import TokenizeStep, check_special_tokens, load_tokenizer, tokenizer_info
 from datapipe.workfiles import load_npy, read_json
 from storage import config as cfgmod
+from storage import atomic
 from storage.config import ConfigError
-from storage.fs import atomic_write_bytes
 from storage.manifest import Manifest, SourceInfo, read_manifest, write_manifest
 
 
@@ -132,6 +132,10 @@ class Build:
         return os.path.join(self.work, *parts)
 
     def _prepare_dirs(self, fresh: bool) -> None:
+        # an interrupted run's temporary files (storage.atomic's rule): removed and counted, never published
+        for root in dict.fromkeys((self.out, self.work)):
+            if os.path.isdir(root):
+                atomic.sweep(root)
         fp = _fingerprint(self.cfg)
         marker = self.w("config.sha256")
         old = Path(marker).read_text().strip() if os.path.exists(marker) else None
@@ -140,16 +144,14 @@ class Build:
             shutil.rmtree(self.work)
             if os.path.isdir(self.rejects):
                 shutil.rmtree(self.rejects)
-        os.makedirs(self.work, exist_ok=True)
-        with open(marker, "w") as f:
-            f.write(fp)
+        atomic.write_bytes(marker, fp.encode())
 
     def stages(self) -> list[Stage]:
         cfg, F = self.cfg, len(self.files)
         mh, parts = cfg.dedup.minhash, cfg.dedup.exact_parts
 
-        def rej(name: str) -> JsonlWriter:
-            return JsonlWriter(os.path.join(self.rejects, name), output_filename="${rank}.jsonl.gz")
+        def rej(name: str) -> RejectsWriter:
+            return RejectsWriter(os.path.join(self.rejects, name))
 
         reader = SourceReader(self.files, self.srcmap, self.rejects, cfg.normalize.max_chars, cfg.normalize,
                               self.chat_template)
@@ -245,7 +247,7 @@ class Build:
 
     def _write_report(self, elapsed: dict[str, float]) -> None:
         # elapsed times vary run to run, so they live beside the manifest, not in it
-        atomic_write_bytes(os.path.join(self.out, "build_report.json"),
+        atomic.write_bytes(os.path.join(self.out, "build_report.json"),
                            json.dumps({"elapsed_s": elapsed}, indent=1).encode())
 
     def check_empty(self, final: bool) -> list[str]:

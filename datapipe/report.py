@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from storage import fs
+from storage import atomic, fs
 from storage.manifest import Manifest
 
 
@@ -85,7 +85,7 @@ def charts(m: Manifest, out_dir: str) -> list[str]:
     def save(fig, name: str) -> None:
         fig.tight_layout()
         paths.append(os.path.join(out_dir, name))
-        fig.savefig(paths[-1], dpi=100)
+        atomic.save_figure(fig, paths[-1], dpi=100)
         plt.close(fig)
 
     drops = {k[len("dropped_"):]: v for k, v in m.build_stats.items() if k.startswith("dropped_") and ":" not in k}

@@ -25,7 +25,7 @@ from datatrove.executor import slurm as dt_slurm
 
 from datapipe.config import ExecutorConfig, SlurmSettings
 from datapipe.executors import quiet_datatrove
-from storage.fs import atomic_write_bytes
+from storage import atomic
 
 POLL_S = 2.0
 # squeue states of a job that may still run (PENDING counts unless its dependency can never be satisfied)
@@ -81,10 +81,9 @@ def _launch(s: SlurmSettings, stages: list, work: str, dry_run: bool, jobs: dict
 
     def launch(contents: str, job_id_retriever: Callable, *args) -> str:
         path = os.path.join(out_dir, f"{len(scripts):02d}.sbatch")
-        with open(path, "w") as f:
-            f.write(contents)
-        with open(path + ".cmd", "w") as f:  # the sbatch command line with its --dependency
-            f.write(" ".join(["sbatch", *args, path]) + "\n")
+        atomic.write_bytes(path, contents.encode())
+        # the sbatch command line with its --dependency
+        atomic.write_bytes(path + ".cmd", (" ".join(["sbatch", *args, path]) + "\n").encode())
         scripts.append(path)
         if dry_run:
             job_id = str(1000 + len(scripts))
@@ -207,7 +206,7 @@ def submit(ex: ExecutorConfig, stages: list, work: str, dry_run: bool = False, p
         try:
             _launch(s, stages, work, False, jobs, scripts)
         finally:
-            atomic_write_bytes(jobs_file, json.dumps(jobs, indent=1).encode())
+            atomic.write_bytes(jobs_file, json.dumps(jobs, indent=1).encode())
         if not s.wait:
             return scripts
         failed = _wait(jobs, work, progress)

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import fsspec
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
-from datatrove.pipeline.writers.jsonl import JsonlWriter
 
 from storage.chat import ConversationError, render, validate_conversation
 from datapipe.config import NormalizeConfig, SourceConfig
 from datapipe.normalize import normalize_text
 from datapipe.preference import read_pair
 from datapipe.prompts import read_prompt
+from datapipe.rejects import RejectsWriter
 
 
 class InputError(RuntimeError):
@@ -162,7 +162,7 @@ class SourceReader(PipelineStep):
     def _reject_writer(self):
         if self.rejects is None:
             return contextlib.nullcontext(None)
-        return JsonlWriter(os.path.join(self.rejects, "read"), output_filename="${rank}.jsonl.gz")
+        return RejectsWriter(os.path.join(self.rejects, "read"))
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         f = self.files[rank]

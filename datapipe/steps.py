@@ -10,7 +10,7 @@ import os
 
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
-from datatrove.pipeline.writers.jsonl import JsonlWriter
+from datapipe.rejects import RejectsWriter
 
 from storage.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
@@ -19,7 +19,7 @@ from datapipe.langid import IdentifyLanguage
 from datapipe.sources import InputFile
 from datapipe.tokenize import check_special_tokens, load_tokenizer, train_bpe
 from datapipe.workfiles import atomic_json
-from storage.fs import atomic_write_bytes
+from storage import atomic
 
 
 def stats_of(step: PipelineStep) -> dict[str, int]:
@@ -47,7 +47,7 @@ class PerSourceFilters(PipelineStep):
         labelled = [(filter_label(spec, i), chain_filter(spec, cfg.word_tokenizer, cfg.language_filters, self.rejects, i))
                     for i, spec in enumerate(specs)]
         if cfg.langid.enabled or src.language:  # a declared language needs no model
-            writer = JsonlWriter(os.path.join(self.rejects, "langid"), output_filename="${rank}.jsonl.gz")
+            writer = RejectsWriter(os.path.join(self.rejects, "langid"))
             labelled.insert(0, ("langid", IdentifyLanguage(cfg.langid, src, writer, tuple(cfg.language_filters))))
         for _, flt in labelled:
             data = flt.run(data, rank, world_size)
@@ -118,9 +118,9 @@ class PrepareTokenizer(PipelineStep):
         if tc.path:
             if os.path.isfile(tc.path):
                 with open(tc.path, "rb") as f:
-                    atomic_write_bytes(self.out_path, f.read())
+                    atomic.write_bytes(self.out_path, f.read())
             else:
-                atomic_write_bytes(self.out_path, load_tokenizer(tc.path).to_str().encode())
+                atomic.write_bytes(self.out_path, load_tokenizer(tc.path).to_str().encode())
         else:
             train_bpe(self._texts(), tc.vocab_size, tc.eos_token, self.out_path, self._special_tokens())
         if self.cfg.chat_template:

@@ -49,9 +49,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str, out_path: s
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    from storage.fs import atomic_write_bytes
+    from storage import atomic
 
-    atomic_write_bytes(out_path, tok.to_str().encode())
+    atomic.write_bytes(out_path, tok.to_str().encode())
     return out_path
 
 
@@ -191,11 +191,11 @@ class TokenizeStep(PipelineStep):
             self.stat_update("documents", value=len(batch))
             batch.clear()
 
-        from datatrove.pipeline.writers.jsonl import JsonlWriter
+        from datapipe.rejects import RejectsWriter
 
         rej_dir = self.rejects or os.path.join(self.out.work, "rejects")
         try:
-            with JsonlWriter(os.path.join(rej_dir, "tokenize"), output_filename="${rank}.jsonl.gz") as rej:
+            with RejectsWriter(os.path.join(rej_dir, "tokenize")) as rej:
                 for doc in data:
                     batch.append(doc)
                     if len(batch) >= self.batch_size:

@@ -7,11 +7,11 @@ import os
 
 import numpy as np
 
-from storage.fs import atomic_write_bytes
+from storage import atomic
 
 
 def atomic_json(path: str, obj) -> None:
-    atomic_write_bytes(path, json.dumps(obj, separators=(",", ":")).encode())
+    atomic.write_bytes(path, json.dumps(obj, separators=(",", ":")).encode())
 
 
 def read_json(path: str):
@@ -22,7 +22,7 @@ def read_json(path: str):
 def atomic_npy(path: str, arr: np.ndarray) -> None:
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic.write_bytes(path, buf.getvalue())
 
 
 def load_npy(path: str, dtype) -> np.ndarray:

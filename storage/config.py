@@ -214,8 +214,9 @@ def dump(obj: Any) -> str:
     return yaml.safe_dump(to_plain(obj), sort_keys=False, default_flow_style=False)
 
 
-def save(obj: Any, path: str | os.PathLike) -> None:
-    """Write the resolved config (atomically) next to a run's output."""
-    from storage.fs import atomic_write_bytes
+def save(obj: Any, path: str | os.PathLike, shared: bool = False) -> None:
+    """Write the resolved config (atomically) next to a run's output; `shared`: several processes may
+    write it at once (storage.atomic.AtomicFile)."""
+    from storage import atomic
 
-    atomic_write_bytes(str(path), dump(obj).encode())
+    atomic.write_bytes(str(path), dump(obj).encode(), shared)

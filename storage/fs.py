@@ -1,10 +1,10 @@
-"""Filesystem access for local paths and any fsspec URL: atomic writes, range reads with retries."""
+"""Filesystem access for local paths and any fsspec URL: reads (whole, ranged) with retries. Atomic writes
+follow the temporary-file rule in `storage.atomic`."""
 from __future__ import annotations
 
 import logging
 import os
 import time
-import uuid
 from typing import Callable, TypeVar
 
 import fsspec
@@ -45,51 +45,6 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int = 4, backoff_s: f
             log.warning("%s failed (%s); retry %d/%d in %.1fs", what, e, attempt + 1, attempts - 1, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def tmp_name(final_path: str) -> str:
-    """Temporary sibling name used while a file is written; never matched by readers' globs."""
-    head, tail = os.path.split(final_path)
-    return os.path.join(head, f".tmp-{tail}-{uuid.uuid4().hex[:8]}")
-
-
-def commit_local(tmp: str, final: str) -> None:
-    """fsync a finished temp file and rename it to its final name (atomic on POSIX)."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-    _fsync_dir(final)
-
-
-def atomic_write_bytes(url: str, data: bytes) -> None:
-    """Write `data` so that `url` either does not exist or holds all of it."""
-    if is_local(url):
-        path = local_path(url)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = tmp_name(path)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            commit_local(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return
-    fs, path = get_fs(url)
-    # Object stores publish an object only when its upload completes, which is the atomicity we need.
-    with_retries(lambda: fs.pipe_file(path, data), f"write {url}")
 
 
 def read_bytes(url: str) -> bytes:

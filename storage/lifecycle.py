@@ -17,13 +17,16 @@ from collections.abc import Iterator
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Have Linux SIGKILL this process when its parent exits (prctl PR_SET_PDEATHSIG); elsewhere a no-op."""
+def die_with_parent(parent: int | None = None) -> None:
+    """Have Linux SIGKILL this process when its parent exits (prctl PR_SET_PDEATHSIG); elsewhere a no-op.
+    `parent`: the pid the parent had when it started this process. A parent that died before the call
+    took effect (this process was reparented: to another pid than `parent`, or to init) ends it at once."""
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
+    expected = os.getppid() if parent is None else parent
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before the call took effect
+    now = os.getppid()
+    if now != expected or (parent is None and now == 1):  # helpers are never init's own children
         os._exit(1)
 
 
@@ -35,9 +38,11 @@ def managers_die_with_parent(managers) -> Iterator[None]:
     start = managers.BaseManager.start
 
     def start_dying_with_parent(mgr, initializer=None, initargs=()):
+        # the parent's pid is taken here, before the fork: a server that reads its parent only after a
+        # SIGKILL of the parent would see init, and live on
         if initializer is None:
-            return start(mgr, die_with_parent, ())
-        return start(mgr, _chain, (initializer, initargs))
+            return start(mgr, die_with_parent, (os.getpid(),))
+        return start(mgr, _chain, (os.getpid(), initializer, initargs))
 
     managers.BaseManager.start = start_dying_with_parent
     try:
@@ -46,6 +51,6 @@ def managers_die_with_parent(managers) -> Iterator[None]:
         managers.BaseManager.start = start
 
 
-def _chain(initializer, initargs) -> None:
-    die_with_parent()
+def _chain(parent, initializer, initargs) -> None:
+    die_with_parent(parent)
     initializer(*initargs)

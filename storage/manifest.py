@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage import config as cfgmod
-from storage import fs
+from storage import atomic, fs
 from storage.config import ConfigError
 
 MANIFEST_NAME = "manifest.json"
@@ -134,4 +134,4 @@ def write_manifest(dataset: str, manifest: Manifest) -> None:
     """Atomically (re)write the manifest; it is the last file of a dataset to appear."""
     manifest.validate()
     data = json.dumps(cfgmod.to_plain(manifest), indent=1, sort_keys=False).encode()
-    fs.atomic_write_bytes(fs.join(dataset, MANIFEST_NAME), data)
+    atomic.write_bytes(fs.join(dataset, MANIFEST_NAME), data)

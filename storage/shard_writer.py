@@ -12,7 +12,7 @@ from typing import BinaryIO
 import numpy as np
 import xxhash
 
-from storage import fs
+from storage import atomic
 from storage.shards import (INDEX_SUFFIX, MASK_EXT, META_EXT, TAR_BLOCK, TOKENS_EXT, IndexEntry, encode_tokens,
                             parse_dtype)
 
@@ -52,14 +52,8 @@ class ShardWriter:
         self.url, self.source, self.compression_level = url, source, compression_level
         self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
         self.stem = os.path.basename(url).split(".")[0]
-        self.local = fs.is_local(url)
-        if self.local:
-            path = fs.local_path(url)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._tmp = fs.tmp_name(path)
-            self._file: BinaryIO = open(self._tmp, "wb")
-        else:
-            self._file = io.BytesIO()
+        self._out = atomic.AtomicFile(url)  # `.tmp-<name>` locally, an upload (aborted on failure) remotely
+        self._file: BinaryIO = self._out.file
         self._hw = _HashingWriter(self._file)
         self._tar = tarfile.open(fileobj=self._hw, mode="w", format=tarfile.USTAR_FORMAT)  # type: ignore
         self.entries: list[IndexEntry] = []
@@ -134,20 +128,14 @@ class ShardWriter:
         self._tar.close()
         self._closed = True
         size, digest = self._hw.tell(), self._hw.sha.hexdigest()
-        fs.atomic_write_bytes(self.url + INDEX_SUFFIX, self.index_text().encode())
-        if self.local:
-            self._file.close()
-            fs.commit_local(self._tmp, fs.local_path(self.url))
-        else:
-            fs.atomic_write_bytes(self.url, self._file.getvalue())  # type: ignore[attr-defined]
+        atomic.write_bytes(self.url + INDEX_SUFFIX, self.index_text().encode())
+        self._out.commit()
         return {"sha256": digest, "bytes": size, "blocks": len(self.entries),
                 "documents": self.documents, "tokens": self.tokens, "block_tokens": list(self.block_tokens)}
 
     def abort(self) -> None:
         self._closed = True
-        self._file.close()
-        if self.local and os.path.exists(self._tmp):
-            os.unlink(self._tmp)
+        self._out.abort()
 
     def __enter__(self) -> "ShardWriter":
         return self

@@ -1,6 +1,9 @@
-"""End to end under faults: `datapipe build` killed -9 once and `train launch` killed -9 twice (once while
-a checkpoint is being written), at points drawn from a seed, give byte-identical shards and a
-bit-identical loss trace compared with an uninterrupted build → train run."""
+"""End to end under faults: `datapipe build` killed -9 once (in a stage drawn from a seed) and `train launch`
+killed -9 twice (at a step drawn from the seed, then while the run's last checkpoint is being written, in
+its last 10 %), each rerun to the end, leave the whole output trees of an uninterrupted build → train run,
+hidden files included (tools.outtree): shards, work files, rejects, reports, checkpoints, `latest`, the
+recycled tensor files, and the loss trace in metrics.jsonl. The interrupted save's temporary folder is gone
+after the next save."""
 from __future__ import annotations
 
 import json
@@ -12,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 from testutil import free_port, metric_records, read_corpus, run_killable
+
+from tools.outtree import BUILD_VOLATILE, TRAIN_VOLATILE, differences, tree
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -55,13 +60,6 @@ def _train_config(tmp: Path, run_dir: Path, dataset: Path) -> Path:
     return path
 
 
-def _dataset_files(root: Path) -> dict[str, bytes]:
-    """Everything a trainer reads (shards, indexes, tokenizer, manifest); not logs or timing reports."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.relative_to(root).as_posix().startswith(("_work/", "rejects/", "dedup/"))
-            and p.name != "build_report.json"}
-
-
 def _trace(run_dir: Path) -> dict[int, tuple]:
     """step → (loss, grad_norm, consumed_tokens), the last record of each step (re-run steps overwrite)."""
     return {r["step"]: (r["loss"], r["grad_norm"], r["consumed_tokens"]) for r in metric_records(run_dir)}
@@ -71,22 +69,23 @@ def test_build_and_train_survive_kill_9(tmp_path):
     rng = random.Random(SEED)
     log = tmp_path / "log.txt"
     inputs = _write_inputs(tmp_path)
-    ref_data, data = tmp_path / "ref-data", tmp_path / "data"
+    data, run = tmp_path / "data", tmp_path / "run"
     build = [str(BIN / "datapipe"), "build", "--quiet", "--workers", "2"]
     port = ["--set", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}", "--nproc", "2"]
     fail = lambda: log.read_text()[-6000:]  # noqa: E731
 
-    # uninterrupted reference: build (at the same output path as the faulty build: the path is part of
-    # the recorded config), then train
+    # uninterrupted reference: build, then train, at the paths the faulty runs use (configs record them)
     config = _build_config(tmp_path, inputs, data)
+    train = [str(BIN / "train"), "launch", str(_train_config(tmp_path, run, data)), *port]
     assert run_killable(build + [str(config)], log) == 0, fail()
-    reference_files = _dataset_files(data)
-    data.rename(ref_data)
-    assert any(k.endswith(".tar") for k in reference_files) and "manifest.json" in reference_files
-    ref_run = tmp_path / "ref-run"
-    assert run_killable([str(BIN / "train"), "launch", str(_train_config(tmp_path, ref_run, ref_data)), *port], log) == 0, fail()
-    reference_trace = _trace(ref_run)
+    reference_data = tree(str(data), BUILD_VOLATILE)
+    assert any(k.endswith(".tar") for k in reference_data) and "manifest.json" in reference_data
+    assert run_killable(train, log) == 0, fail()
+    reference_run = tree(str(run), TRAIN_VOLATILE)
+    reference_trace = _trace(run)
     assert sorted(reference_trace) == list(range(1, STEPS + 1))
+    data.rename(tmp_path / "ref-data")
+    run.rename(tmp_path / "ref-run")
 
     # the build, killed once in a stage drawn from the seed, then rerun
     stage = rng.choice(["scan", "exact", "buckets", "tokenizer", "tokenize", "validation"])
@@ -95,19 +94,19 @@ def test_build_and_train_survive_kill_9(tmp_path):
     assert killed == "killed", f"the build finished before stage {stage} could be killed"
     assert not (data / "manifest.json").exists()
     assert run_killable(build + [str(config)], log) == 0, fail()
-    assert _dataset_files(data) == reference_files, f"shards differ after a kill in stage {stage}"
+    assert differences(reference_data, tree(str(data), BUILD_VOLATILE)) == [], f"after a kill in stage {stage}"
 
-    # training, killed at a step drawn from the seed, then again while a checkpoint is being written
-    run = tmp_path / "run"
-    train = [str(BIN / "train"), "launch", str(_train_config(tmp_path, run, data)), *port]
+    # training, killed at a step drawn from the seed, then while its last checkpoint is being written
     ckpt = run / "checkpoints"
-    writing = lambda: ckpt.exists() and any(n.startswith(".tmp-step") for n in os.listdir(ckpt))  # noqa: E731
-    first, second = rng.randint(3, 6), rng.randint(9, 12)
-    at_step = lambda k: max(_trace(run), default=0) >= k  # noqa: E731
-    assert run_killable(train, log, kill_when=lambda: at_step(first)) == "killed"
-    assert run_killable(train, log, kill_when=lambda: at_step(second) and writing()) == "killed", \
-        "no checkpoint write was caught in flight"
+    last = f".tmp-step_{STEPS:08d}"
+    first = rng.randint(3, 9)
+    assert run_killable(train, log, kill_when=lambda: max(_trace(run), default=0) >= first) == "killed"
+    assert run_killable(train, log, kill_when=lambda: ckpt.exists() and last in os.listdir(ckpt)) == "killed", \
+        "the last checkpoint's save was never seen in flight"
+    assert (ckpt / last).is_dir()
     assert run_killable(train, log) == 0, fail()
     assert "resumed at step" in log.read_text()
+    removed = [ln for ln in log.read_text().splitlines() if "stale temporary folder" in ln]
+    assert removed and last in removed[-1], log.read_text()[-3000:]
     assert _trace(run) == reference_trace
-    assert not [n for n in os.listdir(ckpt) if n.startswith(".tmp-")]
+    assert differences(reference_run, tree(str(run), TRAIN_VOLATILE)) == []

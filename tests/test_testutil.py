@@ -76,3 +76,44 @@ def test_require_root_skips_or_fails_under_ci(monkeypatch, ci):
     assert "the test Slurm cluster needs root, and this is uid 1000" in msg and msg.startswith("CI: ") == ci
     monkeypatch.setattr(testutil.os, "geteuid", lambda: 0)
     assert testutil.require_root("the test Slurm cluster") is None
+
+
+_MIDDLE = """
+import subprocess, sys
+sys.path.insert(0, {tests!r})
+import testutil
+child = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(30)"],
+                         stdout=subprocess.PIPE, text=True,
+                         preexec_fn=testutil.default_sigint if sys.argv[1] == "1" else None)
+child.stdout.readline()
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_default_sigint_lets_a_background_jobs_child_see_sigint(tmp_path, reset):
+    """A non-interactive shell starts a background job (`make test &`) with SIGINT ignored, and children
+    inherit it: a child started with `default_sigint` dies of SIGINT, one started without it does not."""
+    import os
+    import signal
+    import subprocess
+
+    middle = tmp_path / "middle.py"
+    middle.write_text(_MIDDLE.format(tests=str(testutil.REPO / "tests")))
+    job = subprocess.Popen(["bash", "-c", f'"{sys.executable}" {middle} {int(reset)} & wait $!'],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(job.stdout.readline()))
+        os.kill(child.pid, signal.SIGINT)
+        try:
+            child.wait(timeout=10 if reset else 1)
+            died = True
+        except psutil.TimeoutExpired:
+            died = False
+        assert died == reset, "SIGINT reached the child" if died else "the child ignored SIGINT"
+    finally:
+        for proc in psutil.Process(job.pid).children(recursive=True):
+            proc.kill()
+        job.kill()
+        job.wait()

@@ -117,6 +117,14 @@ def write_random_dataset(root: str, sources: dict[str, int], vocab_size: int = 5
 
 
 
+def default_sigint() -> None:
+    """`preexec_fn` for a child that a test will send SIGINT: its SIGINT back to the default. A shell
+    without job control (`make test &` in a script, some CI runners) starts background jobs with SIGINT
+    ignored; children inherit that, Python then installs no KeyboardInterrupt handler, and the test's
+    signal would be lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

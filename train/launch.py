@@ -38,7 +38,7 @@ def prepare(cfg: TrainConfig, nproc: int, nnodes: int) -> Path:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
-    cfgmod.save(cfg, path)
+    cfgmod.save(cfg, path, shared=nnodes > 1)  # every node's launcher writes it, maybe at the same time
     return path
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from storage import atomic
 from storage import config as cfgmod
 from train import objectives
 from train.config import TrainConfig
@@ -45,6 +46,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         if par.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic.sweep(str(self.run_dir))  # an interrupted run's temporary files: removed and counted
             cfgmod.save(cfg, self.run_dir / "config.yaml")
 
         chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.bf16_weights(), seed=cfg.seed,

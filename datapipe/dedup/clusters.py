@@ -37,7 +37,7 @@ from loguru import logger
 
 from datapipe.dedup.exact import exact_removals, lookup_ids
 from datapipe.workfiles import atomic_json, atomic_npy, read_json
-from storage.fs import atomic_write_bytes
+from storage import atomic
 
 _LOW32 = np.uint64(0xFFFFFFFF)
 _EMPTY = np.zeros((0, 2), np.uint64)
@@ -76,7 +76,8 @@ def _unique(e: np.ndarray) -> np.ndarray:
 def read_edges(cc_dir: str, step: int, part: int) -> np.ndarray:
     """The edges of `part`'s nodes written by every task of `step`, sorted, without repeats."""
     d = step_dir(cc_dir, step)
-    names = sorted(n for n in os.listdir(d) if n.endswith(f"-{part:05d}.npy")) if os.path.isdir(d) else []
+    names = sorted(n for n in (os.listdir(d) if os.path.isdir(d) else [])
+                   if n.endswith(f"-{part:05d}.npy") and not atomic.is_tmp(n))
     found = [np.load(os.path.join(d, n), allow_pickle=False) for n in names]
     return _unique(np.concatenate(found)) if found else _EMPTY
 
@@ -118,7 +119,8 @@ class CCEdges(PipelineStep):
         self.pairs_dir, self.cc_dir, self.n_ranks = pairs_dir, cc_dir, n_ranks
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
-        names = sorted(n for n in os.listdir(self.pairs_dir) if n.endswith(".dups"))[rank::world_size]
+        names = sorted(n for n in os.listdir(self.pairs_dir)
+                       if n.endswith(".dups") and not atomic.is_tmp(n))[rank::world_size]
         recs = [np.fromfile(os.path.join(self.pairs_dir, n), dtype="<u4").reshape(-1, 4) for n in names]
         r = np.concatenate(recs).astype(np.uint64) if recs else np.zeros((0, 4), np.uint64)
         r = r[(r[:, 0] != SENTINEL) & (r[:, 2] != SENTINEL)]  # index matches: none without an index
@@ -220,7 +222,7 @@ class ClusterKeep(PipelineStep):
         removed = big & ~first
         for r in np.unique(ranks[removed]).tolist():
             d = np.sort(docs[removed & (ranks == r)])
-            atomic_write_bytes(os.path.join(self.remove_dir, f"{rank:03d}", f"{r:06d}.remove"),
+            atomic.write_bytes(os.path.join(self.remove_dir, f"{rank:03d}", f"{r:06d}.remove"),
                                d.astype("<u4").tobytes())
         self.stat_update("removed", value=int(removed.sum()))
         keep = np.flatnonzero(big & first)
@@ -233,7 +235,7 @@ class ClusterKeep(PipelineStep):
             names = [ids[(int(ranks[i]), int(docs[i]))] for i in range(s, ends[s])]
             rows.append((int(members[s]), json.dumps({"kept": names[0], "removed": names[1:]})))
         rows.sort()  # by the kept document: priority order
-        atomic_write_bytes(os.path.join(self.cc_dir, "report", f"{rank:05d}.jsonl"),
+        atomic.write_bytes(os.path.join(self.cc_dir, "report", f"{rank:05d}.jsonl"),
                            "".join(f"{k}\t{line}\n" for k, line in rows).encode())
 
 
@@ -252,7 +254,7 @@ def write_report(cc_dir: str, parts: int, path: str) -> None:
              if os.path.exists(os.path.join(cc_dir, "report", f"{p:05d}.jsonl"))]
     try:
         rows = heapq.merge(*[((int(k), line) for k, line in (ln.split("\t", 1) for ln in f)) for f in files])
-        atomic_write_bytes(path, "".join(line for _, line in rows).encode())
+        atomic.write_bytes(path, "".join(line for _, line in rows).encode())
     finally:
         for f in files:
             f.close()

@@ -18,7 +18,7 @@ from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
 from datapipe.workfiles import atomic_json, atomic_npy, load_npy
-from storage.fs import atomic_write_bytes
+from storage import atomic
 
 
 def text_hash(text: str) -> int:
@@ -79,7 +79,7 @@ def find_exact_duplicates(work: str, part: int, n_ranks: int) -> int:
     for g in groups:
         names = [ids[(int(rank_of[p]), int(idx_of[p]))] for p in g]
         lines.append(json.dumps({"kept": names[0], "removed": names[1:]}) + "\n")
-    atomic_write_bytes(os.path.join(work, "exact", "report", f"{part:03d}.jsonl"), "".join(lines).encode())
+    atomic.write_bytes(os.path.join(work, "exact", "report", f"{part:03d}.jsonl"), "".join(lines).encode())
     return len(dup_pos)
 
 
@@ -111,7 +111,7 @@ def write_report(work: str, parts: int, path: str) -> None:
         if os.path.exists(part):
             with open(part, "rb") as f:
                 chunks.append(f.read())
-    atomic_write_bytes(path, b"".join(chunks))
+    atomic.write_bytes(path, b"".join(chunks))
 
 
 class ExactResolve(PipelineStep):

@@ -32,7 +32,7 @@ import numpy as np
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup.minhash import SENTINEL
 
-from storage.fs import commit_local, tmp_name
+from storage import atomic
 
 SKETCH_BINS = 256
 _CODES = 255  # non-empty codes 1..255; 0 marks an empty bin
@@ -90,7 +90,8 @@ class SketchWriter:
     def __init__(self, folder: str, rank: int, seed: int):
         os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, f"{rank:05d}.sketch.npy")
-        self.raw = tmp_name(self.path + ".raw")
+        self.raw = atomic.tmp_path(self.path + ".raw")  # the sketches, until their count (the header) is known
+        atomic.clear_stale(self.raw)
         self.f = open(self.raw, "wb")
         self.seed, self.n = seed, 0
 
@@ -102,18 +103,14 @@ class SketchWriter:
 
     def close(self) -> None:
         self.f.close()
-        tmp = tmp_name(self.path)
         try:
-            with open(tmp, "wb") as out, open(self.raw, "rb") as raw:
+            with atomic.atomic_file(self.path) as out, open(self.raw, "rb") as raw:
                 np.lib.format.write_array_header_1_0(
                     out, {"descr": "|u1", "fortran_order": False, "shape": (self.n, SKETCH_BINS)})
                 while chunk := raw.read(1 << 24):
                     out.write(chunk)
-            commit_local(tmp, self.path)
         finally:
-            for p in (tmp, self.raw):
-                if os.path.exists(p):
-                    os.unlink(p)
+            os.unlink(self.raw)
 
 
 class SketchReader:
@@ -191,14 +188,12 @@ class MinhashVerify(PipelineStep):
         self.threshold, self.anchors = threshold, anchors
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
-        from storage.fs import atomic_write_bytes
-
-        names = sorted(f for f in os.listdir(self.input_folder) if f.endswith(".dups"))
+        names = sorted(f for f in os.listdir(self.input_folder) if f.endswith(".dups") and not atomic.is_tmp(f))
         reader = SketchReader(self.sketch_folder)
         with self.track_time():
             for name in names[rank::world_size]:
                 pairs = np.fromfile(os.path.join(self.input_folder, name), dtype="<u4").reshape(-1, 4)
-                atomic_write_bytes(os.path.join(self.output_folder, name), self.verify(pairs, reader).tobytes())
+                atomic.write_bytes(os.path.join(self.output_folder, name), self.verify(pairs, reader).tobytes())
 
     def verify(self, pairs: np.ndarray, reader: SketchReader) -> np.ndarray:
         """The verified pairs (n x 4 uint32, datatrove's record layout) of one `.dups` file's pairs."""

@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from storage import atomic
 from storage.bench.units import fmt_size
 
 _STYLE = {"buffered": "-", "direct": "--", "s3fs": "-.", "gpu_direct": ":"}
@@ -45,7 +46,7 @@ def plot_target(t: dict, out_dir: str) -> list[str]:
             ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(os.path.join(out_dir, f"{name}-throughput.png"))
-    fig.savefig(paths[-1], dpi=90)
+    atomic.save_figure(fig, paths[-1], dpi=90)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -66,6 +67,6 @@ def plot_target(t: dict, out_dir: str) -> list[str]:
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(os.path.join(out_dir, f"{name}-iops.png"))
-    fig.savefig(paths[-1], dpi=90)
+    atomic.save_figure(fig, paths[-1], dpi=90)
     plt.close(fig)
     return paths

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+from storage import atomic
 from storage.bench.units import fmt_size
 
 REQUIRED_FIELDS = {
@@ -81,6 +82,5 @@ def table(report: dict) -> str:
 
 def write_json(report: dict, out_dir: str) -> str:
     path = os.path.join(out_dir, "bench.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    atomic.write_bytes(path, json.dumps(report, indent=1).encode())
     return path

@@ -1,21 +1,26 @@
 """Targets (local directory or fsspec URL), preflight checks before any I/O, and test-file cleanup.
 
 Every test file lives in one scratch directory (or object prefix) per target, named
-`.smoltrain-bench-PID-RANDOM`; `Scratch.remove()` deletes it and runs from a `finally`, and SIGTERM is
-turned into KeyboardInterrupt so that Ctrl-C and `kill` both leave nothing behind.
+`.smoltrain-bench-HOST-PID-RANDOM`; `Scratch.remove()` deletes it (and aborts unfinished multipart uploads
+under it) and runs from a `finally`, and SIGTERM is turned into KeyboardInterrupt so that Ctrl-C and `kill`
+both leave nothing behind. A benchmark killed with SIGKILL cannot clean up: the next one on the same host
+removes (and counts) the scratch of every benchmark of this host whose process is gone.
 """
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import signal
+import socket
 import uuid
 from dataclasses import dataclass
 
-from storage import fs
+from storage import atomic, fs
 from storage.bench.units import fmt_size
 
+log = logging.getLogger("storage.bench")
 SCRATCH_PREFIX = ".smoltrain-bench-"
 MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
 
@@ -92,19 +97,60 @@ def preflight_local(t: Target, need_bytes: int) -> None:
                          f"{fmt_size(free)} free on {t.mount} ({t.fs_type}); lower --file-size / --checkpoint")
 
 
+def _dead_owner(name: str, host: str) -> bool:
+    """True for the scratch name of a benchmark of this host whose process no longer runs."""
+    parts = name[len(SCRATCH_PREFIX):].rstrip("/").rsplit("-", 2)
+    if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+        return False  # another host's, or not a scratch name
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
 class Scratch:
     """The scratch directory (local) or prefix (object store) of one target; remove() is idempotent."""
 
     def __init__(self, t: Target, fsys=None):
         self.target, self.fsys = t, fsys
-        name = f"{SCRATCH_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        name = f"{SCRATCH_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.root = os.path.join(t.path, name) if t.kind == "local" else f"{t.url}/{name}"
         self.removed = False
 
     def create(self) -> None:
         """Register the scratch with its owner first, then call this, so an interrupt can never orphan it."""
+        self.remove_stale()
         if self.target.kind == "local":
             os.mkdir(self.root, 0o700)
+
+    def remove_stale(self) -> int:
+        """Remove the scratch a benchmark of this host killed with SIGKILL left in the target; their count."""
+        host, t = socket.gethostname(), self.target
+        if t.kind == "local":
+            stale = [os.path.join(t.path, n) for n in os.listdir(t.path)
+                     if n.startswith(SCRATCH_PREFIX) and _dead_owner(n, host)]
+            for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
+        elif self.fsys is not None:
+            base = t.url.split("://", 1)[1]
+            try:
+                entries = self.fsys.ls(base, detail=False)
+            except FileNotFoundError:
+                entries = []
+            stale = [f"{t.url}/{e.rstrip('/').rsplit('/', 1)[-1]}" for e in entries
+                     if e.rstrip("/").rsplit("/", 1)[-1].startswith(SCRATCH_PREFIX)
+                     and _dead_owner(e.rstrip("/").rsplit("/", 1)[-1], host)]
+            for url in stale:
+                self.fsys.rm(url.split("://", 1)[1], recursive=True)
+                atomic.abort_uploads(url, self.fsys)
+        else:
+            stale = []
+        if stale:
+            log.warning(atomic.stale_message([], stale, t.path if t.kind == "local" else t.url))
+        return len(stale)
 
     def file(self, name: str) -> str:
         return f"{self.root}/{name}" if self.target.kind == "object" else os.path.join(self.root, name)
@@ -120,6 +166,7 @@ class Scratch:
                 self.fsys.rm(self.root.split("://", 1)[1], recursive=True)
             except FileNotFoundError:
                 pass
+            atomic.abort_uploads(self.root, self.fsys)  # an interrupted upload's parts are billed until aborted
 
 
 def sigterm_as_interrupt() -> None:

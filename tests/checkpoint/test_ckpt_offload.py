@@ -53,6 +53,27 @@ def test_offload_verifies_then_prunes_local_and_pulls_back(tmp_path, s3_bucket):
     assert layout.verify(LOCAL, str(tmp_path), "step_00000004") == []
 
 
+def test_an_interrupted_runs_remote_leftovers_are_removed_and_counted(tmp_path, s3_bucket, caplog):
+    """A run killed mid-offload leaves a remote folder without its manifest (uploaded last) and an
+    unfinished multipart upload (billed until aborted): the next run's offloader removes both, first."""
+    url = f"{s3_bucket}/run"
+    fs, root = fsspec.core.url_to_fs(url)
+    off = Offloader(url, str(tmp_path), keep_local=5, keep_last=10, full_every=4, keep_full_every=0)
+    _fake(tmp_path, 2)
+    off.submit("step_00000002")
+    off.close()
+    fs.pipe_file(f"{root}/step_00000004/data.bin", b"half an upload")
+    bucket, key = root.split("/", 1)
+    fs.call_s3("create_multipart_upload", Bucket=bucket, Key=f"{key}/step_00000004/tensors/rank00000.bin")
+    off = Offloader(url, str(tmp_path), keep_local=5, keep_last=10, full_every=4, keep_full_every=0)
+    off.close()
+    fs.invalidate_cache()
+    assert layout.checkpoint_names(fs, root) == ["step_00000002"] and off.errors == []
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
+    assert f"aborted 1 unfinished multipart upload from an interrupted run under {url}" in caplog.text
+    assert f"removed 1 incomplete remote checkpoint upload from an interrupted run under {url}" in caplog.text
+
+
 def test_failed_upload_keeps_local_copies(tmp_path, s3_server):
     off = Offloader("s3://no-such-bucket-xyz/run", str(tmp_path), keep_local=1, keep_last=10, full_every=4,
                     keep_full_every=0)

@@ -222,10 +222,14 @@ def test_checkpoint_pickles_load_without_running_code(tmp_path):
     assert not marker.exists()
 
 
-def test_stale_tmp_folders_are_removed(tmp_path):
+def test_stale_tmp_folders_are_removed(tmp_path, caplog):
+    """What CheckpointManager does at start-up (rank 0): an interrupted save's folder is removed and counted."""
+    from storage import atomic
+
     os.makedirs(tmp_path / ".tmp-step_00000006" / "x")
     _fake_ckpt(tmp_path, 2)
-    assert layout.remove_stale_tmp(str(tmp_path)) == [".tmp-step_00000006"]
+    assert atomic.sweep(str(tmp_path)) == 1
+    assert f"removed 1 stale temporary folder from an interrupted run: {tmp_path}/.tmp-step_00000006" in caplog.text
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000002"]
 
 

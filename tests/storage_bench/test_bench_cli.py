@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from testutil import default_sigint
 
 from storage.bench.report import REQUIRED_FIELDS
 from storage.cli import main
@@ -143,6 +144,25 @@ def test_bad_option_is_a_usage_error(tmp_path):
     assert r.exit_code == 2 and "not a multiple of 4 KiB" in r.output
 
 
+def test_a_killed_benchmarks_scratch_is_removed_by_the_next(tmp_path, caplog):
+    """SIGKILL leaves a benchmark no chance to clean up: the next one on the host removes the scratch of this
+    host's benchmarks whose process is gone (not another host's, not a running one's)."""
+    import socket
+
+    target = tmp_path / "tier"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    names = [f".smoltrain-bench-{host}-{gone.stdout.strip()}-0badc0de", f".smoltrain-bench-{host}-{os.getpid()}-1",
+             f".smoltrain-bench-otherhost-{gone.stdout.strip()}-2"]
+    for n in names:
+        (target / n).mkdir(parents=True)
+        (target / n / "data.bin").write_bytes(b"x" * 4096)
+    r = _bench(str(target), "--quick", "--file-size", "4M", "--tests", "seq_read", "--out", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    assert sorted(os.listdir(target)) == sorted(names[1:])
+    assert f"removed 1 stale temporary folder from an interrupted run: {target / names[0]}" in caplog.text
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_leaves_no_test_file(tmp_path, sig):
     target = tmp_path / "tier"
@@ -150,7 +170,8 @@ def test_signal_leaves_no_test_file(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-m", "storage.cli", "bench", str(target), "--file-size", "32M",
                              "--duration", "60", "--threads", "1", "--sizes", "1M", "--tests", "rand_read",
                              "--rand-sizes", "4K", "--modes", "buffered", "--out", str(tmp_path / "out")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=default_sigint)
     try:
         deadline = time.time() + 60
         while time.time() < deadline:  # wait until the test file exists at full size

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from testutil import free_port, metric_records, require, run_killable
+from testutil import metric_records, require, run_killable
+
+from tools.outtree import TRAIN_VOLATILE, differences, tree
 
 from datapipe.demo import preference_pairs
 
@@ -57,8 +59,7 @@ def _train(tmp: Path, name: str, ds: Path, log: Path, *args, kill_when=None, **o
         node[last] = v
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    rc = _cli(["train", "launch", str(path), "--nproc", "1", "--set", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}",
-               *args], log, kill_when=kill_when)
+    rc = _cli(["train", "launch", str(path), "--nproc", "1", *args], log, kill_when=kill_when)  # standalone
     assert rc == ("killed" if kill_when else 0), log.read_text()[-4000:]
     return tmp / name
 
@@ -148,3 +149,4 @@ def test_kill_9_resumes_bit_identically(setup, pre):
     _train(tmp, "killed", ds, log, "--init", str(ref), kill_when=done, **APO)
     _train(tmp, "killed", ds, log, "--init", str(ref), **APO)
     assert _trace(tmp / "killed") == _trace(pre)
+    assert differences(tree(str(pre), TRAIN_VOLATILE), tree(str(tmp / "killed"), TRAIN_VOLATILE)) == []

@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from testutil import free_port, metric_records, run_killable, write_random_dataset
+from testutil import metric_records, run_killable, write_random_dataset
+
+from tools.outtree import TRAIN_VOLATILE, differences, tree
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -36,8 +38,7 @@ def _config(tmp: Path, name: str, dataset: str, **over) -> Path:
 
 
 def _run(cfg: Path, log: Path, nproc: int = 1, kill_when=None):
-    cmd = [str(BIN / "train"), "launch", str(cfg), "--nproc", str(nproc),
-           "--set", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}"]
+    cmd = [str(BIN / "train"), "launch", str(cfg), "--nproc", str(nproc)]  # standalone: a free port
     return run_killable(cmd, log, kill_when=kill_when)
 
 
@@ -98,5 +99,6 @@ def test_epochs_set_steps_and_kill_9_resumes_bit_identically(tmp_path, docs):
     assert _run(run, log) == 0, log.read_text()[-4000:]
     got = {r["step"]: (r["loss"], r["grad_norm"]) for r in metric_records(tmp_path / "killed")}
     assert got == trace  # bit-identical
+    assert differences(tree(str(tmp_path / "ref"), TRAIN_VOLATILE), tree(str(tmp_path / "killed"), TRAIN_VOLATILE)) == []
     events = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert any(e.get("event") == "resume" for e in events)

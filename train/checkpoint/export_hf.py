@@ -200,36 +200,37 @@ def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides:
     when known, goes into tokenizer_config.json."""
     from safetensors.torch import save_file
 
+    from storage import atomic
     from storage.fs import read_bytes
     from train.checkpoint.hf_tokenizer import dataset_chat_template, resolve_eos, write_tokenizer_files
 
     hf, config, m = llama_weights(ckpt_dir, overrides)
     s = model_shape(m, overrides)
-    os.makedirs(out_dir, exist_ok=True)
     tok = tokenizer or (m.get("meta") or {}).get("tokenizer")
     carried = carried_dir(ckpt_dir, m)
-    special = {}
-    if tok:
-        tok_bytes = read_bytes(tok)
-        special = write_tokenizer_files(out_dir, tok_bytes, resolve_eos(tok_bytes, tok, eos_token),
-                                        s["max_position_embeddings"], chat_template=dataset_chat_template(tok))
-    elif carried and eos_token is None:
-        special = _copy_carried(carried, out_dir)
-    elif eos_token is not None:
-        raise ValueError("an EOS token was given but there is no tokenizer to export (pass --tokenizer)")
-    config.update(special)
-    if "score.weight" in hf and tok:
-        # transformers finds a sequence's last token by pad_token_id: an id no text encodes to (the first
-        # padding row of the embedding), so that a sequence ending with EOS is scored at its EOS, as ours
-        from tokenizers import Tokenizer
+    with atomic.atomic_dir(out_dir) as out:  # the folder appears complete (storage.atomic)
+        special = {}
+        if tok:
+            tok_bytes = read_bytes(tok)
+            special = write_tokenizer_files(out, tok_bytes, resolve_eos(tok_bytes, tok, eos_token),
+                                            s["max_position_embeddings"], chat_template=dataset_chat_template(tok))
+        elif carried and eos_token is None:
+            special = _copy_carried(carried, out)
+        elif eos_token is not None:
+            raise ValueError("an EOS token was given but there is no tokenizer to export (pass --tokenizer)")
+        config.update(special)
+        if "score.weight" in hf and tok:
+            # transformers finds a sequence's last token by pad_token_id: an id no text encodes to (the first
+            # padding row of the embedding), so that a sequence ending with EOS is scored at its EOS, as ours
+            from tokenizers import Tokenizer
 
-        n = Tokenizer.from_str(tok_bytes.decode()).get_vocab_size(with_added_tokens=True)
-        if n < hf["model.embed_tokens.weight"].shape[0]:
-            config["pad_token_id"] = n
-    save_file(hf, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    if not (carried and not tok and os.path.isfile(os.path.join(carried, "generation_config.json"))):
-        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-            json.dump({"_from_model_config": True, **special}, f, indent=1)
+            n = Tokenizer.from_str(tok_bytes.decode()).get_vocab_size(with_added_tokens=True)
+            if n < hf["model.embed_tokens.weight"].shape[0]:
+                config["pad_token_id"] = n
+        save_file(hf, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        if not (carried and not tok and os.path.isfile(os.path.join(carried, "generation_config.json"))):
+            with open(os.path.join(out, "generation_config.json"), "w") as f:
+                json.dump({"_from_model_config": True, **special}, f, indent=1)
     return config

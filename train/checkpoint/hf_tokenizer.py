@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from storage import fs
+from storage import atomic, fs
 
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
@@ -103,7 +103,7 @@ def write_tokenizer_files(out_dir: str, tok_bytes: bytes, eos: tuple[str, int] |
     """tokenizer.json, and with a known EOS tokenizer_config.json (with `chat_template` when given) and
     special_tokens_map.json; returns the special token ids for config.json / generation_config.json (empty
     without an EOS)."""
-    fs.atomic_write_bytes(os.path.join(out_dir, "tokenizer.json"), tok_bytes)
+    atomic.write_bytes(os.path.join(out_dir, "tokenizer.json"), tok_bytes)
     if eos is None:
         for name in ("tokenizer_config.json", "special_tokens_map.json"):  # of an earlier export here
             if os.path.exists(os.path.join(out_dir, name)):
@@ -117,5 +117,5 @@ def write_tokenizer_files(out_dir: str, tok_bytes: bytes, eos: tuple[str, int] |
     if chat_template:
         config["chat_template"] = chat_template
     for name, data in (("tokenizer_config.json", config), ("special_tokens_map.json", special)):
-        fs.atomic_write_bytes(os.path.join(out_dir, name), (json.dumps(data, indent=1) + "\n").encode())
+        atomic.write_bytes(os.path.join(out_dir, name), (json.dumps(data, indent=1) + "\n").encode())
     return {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}

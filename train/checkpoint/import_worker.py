@@ -9,7 +9,8 @@ model config as a smoltrain checkpoint.
 
 Both go through `write_checkpoint`: build the model (TP1 PP1, one gloo process), copy the tensors into its
 parameters, save it with the trainer's CheckpointManager (a full, synchronous save at step 0, no
-optimizer), then add tokenizer/config files under `hf/` to the committed checkpoint and its manifest.
+optimizer), then add tokenizer/config files under `hf/` to the committed checkpoint and its manifest; all
+of it in `.tmp-<name>` beside OUT_ROOT, renamed to OUT_ROOT at the end (storage.atomic).
 Prints the checkpoint path last; a refused input exits 2 with `error: <why>` as its last line. The CPU
 layer is installed at import and the work runs under the `__main__` guard, as for train.run (the
 checkpoint writer's helper process re-imports this).
@@ -27,7 +28,7 @@ def _add_carried_files(ckpt: str, folder: str) -> list[str]:
 
     import fsspec
 
-    from storage.fs import atomic_write_bytes
+    from storage import atomic
     from train.checkpoint import layout
     from train.checkpoint.import_hf import CARRIED, HF_DIR
 
@@ -42,7 +43,7 @@ def _add_carried_files(ckpt: str, folder: str) -> list[str]:
             size, digest = layout.checksum_file(fsspec.filesystem("file"), dst, fsync=True)
             m["files"][f"{HF_DIR}/{name}"] = {"size": size, "xxh3_128": digest}
             names.append(name)
-    atomic_write_bytes(os.path.join(ckpt, layout.MANIFEST), json.dumps(m, indent=1).encode())
+    atomic.write_bytes(os.path.join(ckpt, layout.MANIFEST), json.dumps(m, indent=1).encode())
     return names
 
 
@@ -61,6 +62,7 @@ def write_checkpoint(hf: dict, shape: dict, out_root: str, meta: dict, carry: st
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from storage import atomic
     from train.checkpoint import CheckpointConfig, CheckpointManager, layout
     from train.checkpoint.import_hf import dtype_precision, megatron_params
     from train.model.gpt import ModelConfig, build_model
@@ -92,18 +94,18 @@ def write_checkpoint(hf: dict, shape: dict, out_root: str, meta: dict, carry: st
                 p.copy_(v.to(p.dtype))
         meta = {"model": shape, "precision": precision, "padded_vocab_size": mcfg.padded_vocab_size(1),
                 "seq_len": min(2048, mcfg.resolved().max_position_embeddings), **meta}
-        cfg = CheckpointConfig(dir=out_root, async_save=False, full_every=0, incremental_every=0,
-                               keep_last=1_000_000)
-        mgr = CheckpointManager(cfg, out_root, meta=meta)
-        state = TrainState(model=chunks, optimizer=None, scheduler=None, loader=None)
-        mgr.maybe_save(state, force=True)
-        mgr.close()
-        if mgr.failed:
-            raise RuntimeError("; ".join(mgr.failed))
-        ckpt = os.path.join(out_root, layout.ckpt_name(0))
-        if carry:
-            _add_carried_files(ckpt, carry)
-        return ckpt
+        with atomic.atomic_dir(out_root) as tmp_root:  # OUT_ROOT appears whole, carried files included
+            cfg = CheckpointConfig(dir=tmp_root, async_save=False, full_every=0, incremental_every=0,
+                                   keep_last=1_000_000)
+            mgr = CheckpointManager(cfg, tmp_root, meta=meta)
+            state = TrainState(model=chunks, optimizer=None, scheduler=None, loader=None)
+            mgr.maybe_save(state, force=True)
+            mgr.close()
+            if mgr.failed:
+                raise RuntimeError("; ".join(mgr.failed))
+            if carry:
+                _add_carried_files(os.path.join(tmp_root, layout.ckpt_name(0)), carry)
+        return os.path.join(out_root, layout.ckpt_name(0))
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()

@@ -5,7 +5,8 @@
         metadata.json, common.pt, tensors/rankN.bin|.json   megatron dist_checkpointing; raw tensor pieces
         delta/rank00000.bin|.json   incremental checkpoints: XOR deltas (byte planes) against the base's tensors
         train_state.pt, rng/rank00000.pt
-    <dir>/.tmp-step_00000200-1a2b3c4d/   being written (never read; removed at start-up)
+    <dir>/.tmp-step_00000200/       being written (storage.atomic's rule: never read; an interrupted one is
+                                    removed and counted when the run starts, or by the next save of that step)
     <dir>/latest                    name of the newest committed checkpoint; moved after the rename
 
 Everything here works on any fsspec filesystem, so the same verify serves local and offloaded copies.
@@ -17,12 +18,13 @@ import os
 import re
 import shutil
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import fsspec
 import xxhash
+
+from storage import atomic
 
 from train.checkpoint.errors import CheckpointError
 
@@ -43,7 +45,8 @@ def step_of(name: str) -> int | None:
 
 
 def tmp_dir_for(root: str, step: int) -> str:
-    return os.path.join(root, f".tmp-{ckpt_name(step)}-{uuid.uuid4().hex[:8]}")
+    """Where the save of `step` is written before its commit renames it (`.tmp-step_N`)."""
+    return atomic.tmp_path(os.path.join(root, ckpt_name(step)))
 
 
 @dataclass
@@ -88,14 +91,6 @@ def _local_files(root: str) -> list[str]:
     return sorted(out)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_file(path: str) -> int:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -130,7 +125,7 @@ def commit(tmp: str, root: str, step: int, kind: str, base: str | None, info: di
         sums = list(pool.map(one, rels))
     files = {rel: {"size": size, "xxh3_128": digest} for rel, (size, digest) in zip(rels, sums)}
     for dirpath, _, _ in os.walk(tmp):
-        _fsync_dir(dirpath)
+        atomic.fsync_dir(dirpath)
     manifest = {"format": FORMAT, "name": ckpt_name(step), "step": step, "kind": kind, "base": base,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **info, "files": files}
     mpath = os.path.join(tmp, MANIFEST)
@@ -143,19 +138,13 @@ def commit(tmp: str, root: str, step: int, kind: str, base: str | None, info: di
         # A checkpoint of the same step from an earlier (resumed) attempt: replace it.
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    atomic.fsync_dir(root)
     write_latest(root, ckpt_name(step))
     return manifest
 
 
 def write_latest(root: str, name: str) -> None:
-    tmp = os.path.join(root, f".tmp-latest-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, LATEST))
-    _fsync_dir(root)
+    atomic.write_bytes(os.path.join(root, LATEST), (name + "\n").encode())
 
 
 def read_latest(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
@@ -164,19 +153,6 @@ def read_latest(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
             return f.read().strip() or None
     except FileNotFoundError:
         return None
-
-
-def remove_stale_tmp(root: str) -> list[str]:
-    """Delete temporary folders left by a save that never completed (killed run). Call before saving."""
-    removed = []
-    if not os.path.isdir(root):
-        return removed
-    for name in os.listdir(root):
-        if name.startswith(".tmp-"):
-            p = os.path.join(root, name)
-            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
-            removed.append(name)
-    return removed
 
 
 def read_manifest(fs: fsspec.AbstractFileSystem, ckpt_path: str) -> dict:

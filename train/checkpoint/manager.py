@@ -14,6 +14,7 @@ import os
 
 import fsspec
 
+from storage import atomic
 from train.checkpoint import layout, retention
 from train.checkpoint.config import CheckpointConfig
 from train.checkpoint.incremental import retire
@@ -33,8 +34,7 @@ class CheckpointManager:
         self.rank, self.world = rank_world()
         if self.rank == 0:
             os.makedirs(self.root, exist_ok=True)
-            for name in layout.remove_stale_tmp(self.root):
-                log.warning("removed incomplete checkpoint folder %s/%s (interrupted save)", self.root, name)
+            atomic.sweep(self.root)  # saves an interrupted run left unfinished: removed and counted
         barrier()
         self.saver = Saver(self.root, cfg, meta)
         self.saver.on_commit = self._on_commit
@@ -56,6 +56,8 @@ class CheckpointManager:
                 name = pull_newest(self.cfg.offload_url, self.root, self.cfg.verify_on_resume)
             if name is not None and layout.read_latest(fsspec.filesystem("file"), self.root) != name:
                 layout.write_latest(self.root, name)  # it pointed at a broken or missing checkpoint
+            if name is not None and not self.skipped and self.offloader is None:
+                self._retain()  # a run killed between a commit and its retention
         name = broadcast_choice(name)
         if name is None:
             return False
@@ -97,6 +99,9 @@ class CheckpointManager:
         if self.offloader is not None:
             self.offloader.submit(manifest["name"])
             return
+        self._retain()
+
+    def _retain(self) -> None:
         ckpts = layout.list_checkpoints(fsspec.filesystem("file"), self.root)
         for name in retention.to_delete(ckpts, self.cfg.keep_last, self.cfg.full_every, self.cfg.keep_full_every):
             retire(self.root, name)

@@ -3,7 +3,9 @@ apply retention there, and only then delete local copies beyond `keep_local`; pu
 checkpoint verifies.
 
 Remote layout mirrors the local one: URL/step_XXXXXXXX/<files>, the manifest uploaded last (a remote
-checkpoint without a manifest is incomplete), URL/latest moved after the remote copy verifies.
+checkpoint without a manifest is incomplete), URL/latest moved after the remote copy verifies. An
+interrupted run's leftovers under URL (unfinished multipart uploads, folders without a manifest) are
+removed and counted when the next run's offloader starts (storage.atomic's rule).
 """
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ import threading
 
 import fsspec
 
+from storage import atomic
 from storage.fs import get_fs
 from train.checkpoint import layout, retention
 from train.checkpoint.incremental import retire
 
 log = logging.getLogger("train.checkpoint")
+_CLEAN_UP = ""  # the offload thread's first job (a checkpoint name is never empty)
 
 
 class Offloader:
@@ -35,6 +39,7 @@ class Offloader:
         self.errors: list[str] = []
         self._q: queue.Queue = queue.Queue()
         self._t = threading.Thread(target=self._loop, name="ckpt-offload", daemon=True)
+        self._q.put(_CLEAN_UP)  # first: what an interrupted run left unfinished remotely
         self._t.start()
 
     def submit(self, name: str) -> None:
@@ -54,14 +59,33 @@ class Offloader:
             try:
                 if name is None:
                     return
+                if name == _CLEAN_UP:
+                    self.clean_up()
+                    continue
                 self.upload(name)
                 self.prune()
             except Exception as e:  # noqa: BLE001 - reported; local copies stay
+                if name == _CLEAN_UP:  # not a checkpoint's failure; uploads report their own
+                    log.warning("clean-up of %s failed: %r", self.url, e)
+                    continue
                 msg = f"offload of checkpoint {name} to {self.url} failed: {e!r}"
                 log.error(msg)
                 self.errors.append(msg)
             finally:
                 self._q.task_done()
+
+    def clean_up(self) -> None:
+        """Abort the multipart uploads an interrupted (killed) run left under the URL, and remove its
+        remote checkpoint folders that never got their manifest (uploaded last), counting them."""
+        atomic.abort_uploads(self.url)
+        self.fs.invalidate_cache()
+        names = [n for n in layout.checkpoint_names(self.fs, self.rroot)
+                 if not self.fs.exists(self._rpath(n, layout.MANIFEST))]
+        for n in names:
+            self.fs.rm(self._rpath(n), recursive=True)
+        if names:
+            log.warning("removed %d incomplete remote checkpoint upload%s from an interrupted run under %s: %s",
+                        len(names), "s" if len(names) != 1 else "", self.url, ", ".join(names))
 
     def _rpath(self, *parts: str) -> str:
         return "/".join([self.rroot.rstrip("/"), *parts])
@@ -116,8 +140,8 @@ def pull_newest(url: str, local_root: str, checksums: bool = True) -> str | None
         for n in [m["base"], name] if m.get("base") else [name]:
             if not layout.verify(local, local_root, n, checksums=checksums, chain=False):
                 continue
-            tmp = os.path.join(local_root, f".tmp-pull-{n}")
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = layout.tmp_dir_for(local_root, layout.step_of(n))
+            atomic.clear_stale(tmp)
             fs.get(f"{rroot}/{n}/", tmp + "/", recursive=True)
             shutil.rmtree(os.path.join(local_root, n), ignore_errors=True)
             os.replace(tmp, os.path.join(local_root, n))

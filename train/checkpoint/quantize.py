@@ -90,7 +90,8 @@ def _llmcompressor(folder: str, out: str, scheme: str, dataset: str, samples: in
 
     from train.checkpoint.prune import calibration_tokens
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, use_safetensors=True,
+                                                 trust_remote_code=False)
     if scheme == "gptq":
         from llmcompressor.modifiers.quantization import GPTQModifier
 
@@ -118,34 +119,37 @@ def quantize(src: str, out: str, scheme: str, group_size: int | None = None, dat
     out = os.path.abspath(out)
     if os.path.isfile(os.path.join(out, "config.json")):
         raise QuantizeError(f"{out}: already holds a model; give an empty or new folder")
-    os.makedirs(out, exist_ok=True)
-    folder = source_folder(src, out)
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
-    gs = None
-    if scheme in ("gptq", "awq"):
-        if dataset is None:
-            raise QuantizeError(f"--scheme {scheme} calibrates: give the dataset with --data")
-        _llmcompressor(folder, out, scheme, dataset, samples, seq_len)
-    else:
-        from transformers import AutoModelForCausalLM
+    from storage import atomic
 
-        qc, gs = _torchao_config(scheme, group_size, (cfg["hidden_size"], cfg["intermediate_size"]))
-        dtype = torch.bfloat16 if scheme == "int4-weight" and torch.cuda.is_available() else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, quantization_config=qc,
-                                                     device_map="cuda" if torch.cuda.is_available() else "cpu")
-        model.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(folder, name)) and not os.path.isfile(os.path.join(out, name)):
-            shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
-    with open(os.path.join(out, "config.json")) as f:
-        written = json.load(f)
-    written["smoltrain_quantize"] = {"scheme": scheme, "source": os.path.abspath(src), "group_size": gs,
-                                     "from_checkpoint": cfg.get("smoltrain_checkpoint")}
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(written, f, indent=1)
-    if folder == os.path.join(out, ".source"):
-        shutil.rmtree(folder)
+    with atomic.atomic_dir(out) as out:  # the folder appears complete (storage.atomic)
+        folder = source_folder(src, out)
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+        gs = None
+        if scheme in ("gptq", "awq"):
+            if dataset is None:
+                raise QuantizeError(f"--scheme {scheme} calibrates: give the dataset with --data")
+            _llmcompressor(folder, out, scheme, dataset, samples, seq_len)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            qc, gs = _torchao_config(scheme, group_size, (cfg["hidden_size"], cfg["intermediate_size"]))
+            dtype = torch.bfloat16 if scheme == "int4-weight" and torch.cuda.is_available() else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, quantization_config=qc,
+                                                         use_safetensors=True, trust_remote_code=False,
+                                                         device_map="cuda" if torch.cuda.is_available() else "cpu")
+            model.save_pretrained(out)
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(folder, name)) and not os.path.isfile(os.path.join(out, name)):
+                shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
+        with open(os.path.join(out, "config.json")) as f:
+            written = json.load(f)
+        written["smoltrain_quantize"] = {"scheme": scheme, "source": os.path.abspath(src), "group_size": gs,
+                                         "from_checkpoint": cfg.get("smoltrain_checkpoint")}
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(written, f, indent=1)
+        if folder == os.path.join(out, ".source"):
+            shutil.rmtree(folder)
     return written
 
 

@@ -32,6 +32,7 @@ from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, 
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from storage import atomic
 from storage.lifecycle import managers_die_with_parent
 from train.checkpoint import layout, state_io
 from train.checkpoint.config import CheckpointConfig
@@ -160,9 +161,9 @@ class Saver:
         assert self.pending is None, "a save is already in flight"
         t0 = time.perf_counter()
         step = state.step
-        tmp = os.path.join(self.root, f".tmp-{layout.ckpt_name(step)}")
+        tmp = layout.tmp_dir_for(self.root, step)
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            atomic.clear_stale(tmp)  # an earlier attempt at this step's save
             os.makedirs(tmp)
         barrier()
         sd = state_io.sharded_state_dict(state, self.cfg.distrib_optim_sharding_type, is_loading=False)

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from storage import atomic
 from storage.evaltasks import Task
 from train.eval.requests import encode_items, task_metrics
 from train.eval.scorer import length_batches
@@ -240,8 +241,7 @@ def evaluate_hf(spec: str, config_path: str | None, overrides: list[str], task_l
         path = write_result(out, rec)
     else:
         path = out or os.path.join(folder, "eval.json")
-        with open(path, "w") as f:
-            json.dump(rec, f, indent=1)
+        atomic.write_bytes(path, json.dumps(rec, indent=1).encode())
     lines = [f"{k:<24} {v:.4f}" for k, v in metrics.items() if k.startswith("val/all/") or k.startswith("gen")]
     for name, r in res.items():
         m = r["metrics"]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import fsspec
 
+from storage import atomic
 from storage import config as cfgmod
 from storage.config import ConfigError
 from train.checkpoint import layout
@@ -119,33 +120,28 @@ def launch(ckpts: list[str], cfg: TrainConfig, out_dir: str, nproc: int, tokeniz
         raise ConfigError("key 'eval.tasks': no tokenizer known for this checkpoint; give --tokenizer")
     cfg.eval.load_tasks()
     os.makedirs(out_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="eval-", dir=out_dir)
-    cfg_path = os.path.join(tmp, "config.yaml")
-    cfgmod.save(cfg, cfg_path)
-    spec = os.path.join(tmp, "spec.json")
-    with open(spec, "w") as f:
-        json.dump({"config": cfg_path, "checkpoints": ckpts, "labels": labels, "out_dir": out_dir, "tokenizer": tok},
-                  f)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "train.eval.run", spec]
-    print("+ " + shlex.join(cmd), flush=True)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    try:
+    atomic.sweep(out_dir)  # result files an interrupted evaluation left half-written
+    # the workers' spec lives in the system's temporary folder (standalone: one machine), not in OUT
+    with tempfile.TemporaryDirectory(prefix="smoltrain-eval-") as tmp:
+        cfg_path = os.path.join(tmp, "config.yaml")
+        cfgmod.save(cfg, cfg_path)
+        spec = os.path.join(tmp, "spec.json")
+        with open(spec, "w") as f:
+            json.dump({"config": cfg_path, "checkpoints": ckpts, "labels": labels, "out_dir": out_dir,
+                       "tokenizer": tok}, f)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "train.eval.run", spec]
+        print("+ " + shlex.join(cmd), flush=True)
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         return subprocess.call(cmd, env=env)
-    finally:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_result(out_dir: str, rec: dict) -> str:
     """OUT/<label>.json for a labeled record, else OUT/<checkpoint>.json; stamps "evaluated_at"."""
-    from storage.fs import atomic_write_bytes
-
     rec.setdefault("evaluated_at", time.time())
     path = os.path.join(out_dir, f"{rec.get('label') or rec['checkpoint']}.json")
-    atomic_write_bytes(path, json.dumps(rec, indent=1).encode())
+    atomic.write_bytes(path, json.dumps(rec, indent=1).encode())
     return path
 
 
@@ -163,7 +159,7 @@ def read_results(path: str) -> list[dict]:
     folder = results_folder(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no evaluation results (run `train eval {path} --all` first)")
-    recs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    recs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json")) if not p.name.startswith(".")]
     recs = [r for r in recs if isinstance(r, dict) and "checkpoint" in r and "metrics" in r]
     if not recs:
         raise FileNotFoundError(f"{folder}: no `train eval` result files")

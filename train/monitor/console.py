@@ -10,8 +10,9 @@ before megatron is imported, routes them through Python's own machinery instead 
   "storage", "datapipe", INFO and up) go to the process's log file, RUN_DIR/logs/rank<RANK>.log (held in
   memory until the file is known: `to_file`);
 - the console keeps what a user must see: our loggers' warnings and errors (as before: the bare message,
-  e.g. "removed incomplete checkpoint folder ..."), megatron's errors, and Python warnings raised by our
-  own code (train/, storage/, datapipe/, tools/). Progress lines are printed, not logged: unchanged.
+  e.g. "removed 1 stale temporary folder from an interrupted run: ..."), megatron's errors, and Python
+  warnings raised by our own code (train/, storage/, datapipe/, tools/). Progress lines are printed, not
+  logged: unchanged.
   Tracebacks of uncaught exceptions are untouched.
 
 `train launch` passes the log folder in SMOLTRAIN_LOG_DIR, so each rank opens its file at import time;

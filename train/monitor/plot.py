@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from storage import atomic
+
 PANELS = [("loss", "loss"), ("grad_norm", "grad norm"), ("lr", "learning rate"),
           ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("mem_gib", "memory (GiB)")]
 
@@ -47,7 +49,7 @@ def plot_evals(run_dir: str | Path, out: Path) -> Path | None:
         ax.legend(fontsize=8)
     fig.suptitle(f"{run_dir}: evaluation")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    atomic.save_figure(fig, str(out), dpi=100)
     plt.close(fig)
     return out
 
@@ -78,7 +80,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.grid(alpha=0.3)
     fig.suptitle(str(run_dir))
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    atomic.save_figure(fig, str(out), dpi=100)
     plt.close(fig)
     plot_evals(run_dir, out.with_name("eval.png"))
     return out

@@ -68,7 +68,7 @@ def compute(model_chunks: list, par, dataset: str, ckpt: str, split: str = "trai
     the result (rank 0) and return it on every rank. Collective."""
     import torch.distributed as dist
 
-    from storage import fs
+    from storage import atomic, fs
     from storage.loader.pairs import iter_pairs
     from train.eval.scorer import Scorer
 
@@ -86,7 +86,7 @@ def compute(model_chunks: list, par, dataset: str, ckpt: str, split: str = "trai
         if par.rank == 0:
             buf = io.BytesIO()
             np.save(buf, part)
-            fs.atomic_write_bytes(part_url, buf.getvalue())
+            atomic.write_bytes(part_url, buf.getvalue())
             log(f"reference log-probs: {min(c0 + CHUNK, len(pairs))}/{len(pairs)} pairs")
         parts.append(part)
     out = np.concatenate(parts) if parts else np.zeros((0, 2))
@@ -94,8 +94,8 @@ def compute(model_chunks: list, par, dataset: str, ckpt: str, split: str = "trai
         buf = io.BytesIO()
         np.save(buf, out)
         data = buf.getvalue()
-        fs.atomic_write_bytes(path, data)
-        fs.atomic_write_bytes(path[:-4] + ".json", json.dumps({
+        atomic.write_bytes(path, data)
+        atomic.write_bytes(path[:-4] + ".json", json.dumps({
             "dataset": dataset, "split": split, "reference": os.path.abspath(ckpt),
             "checkpoint_hash": checkpoint_hash(ckpt), "pairs": len(out),
             "sha256": hashlib.sha256(data).hexdigest()}, indent=1).encode())

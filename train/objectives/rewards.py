@@ -144,8 +144,9 @@ def load_scorer(path: str):
         folder = tempfile.mkdtemp(prefix="smoltrain-rm-")
         export(find_checkpoints(path, every=False)[0], folder)
         path = folder
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
+                                                               trust_remote_code=False).eval()
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
     @torch.no_grad()
     def score(texts: list[str]) -> list[float]:
