@@ -39,7 +39,7 @@ sysdeps:
 	  else echo "note: missing$$missing (tests that compare against them will skip)"; fi; fi
 
 test: $(STAMP) sysdeps
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=40 $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python -m tools.demo
