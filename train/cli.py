@@ -268,6 +268,26 @@ def refs(reference, dataset, nproc, overrides):
         sys.exit(subprocess.call(cmd))
 
 
+@main.command("teacher-cache")
+@config_options(TrainConfig)
+@click.option("--nproc", type=int, default=None, help="Processes (default: launch.nproc, GPUs, or 1 on CPU).")
+def teacher_cache(cfg: TrainConfig, config_path, nproc):
+    """Precompute the teacher's top-k logits for a distillation CONFIG (`distill.precomputed: true`): the
+    teacher alone, under the config's layout, over every row the run will read; stored beside the dataset
+    (DATASET/teacher/, fingerprinted, checksummed). The run then holds no teacher. Without this, the run
+    computes it at its first start."""
+    from train import launch as launcher
+
+    if cfg.objective not in ("distill", "distill_sft") or not cfg.distill.precomputed:
+        raise click.UsageError(f"{config_path}: key 'distill.precomputed': teacher-cache is for a distill or "
+                               "distill_sft run with distill.precomputed: true")
+    try:
+        rc = launcher.launch(cfg, nproc=nproc, module="train.objectives.teacher_cache")
+    except cfgmod.ConfigError as e:
+        raise click.UsageError(f"{config_path}: {e}") from None
+    sys.exit(rc)
+
+
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="PNG path (default RUN_DIR/metrics.png).")

@@ -43,7 +43,7 @@ def prepare(cfg: TrainConfig, nproc: int, nnodes: int) -> Path:
 
 
 def torchrun_command(cfg: TrainConfig, config_path: str | os.PathLike, nproc: int, nnodes: int,
-                     node_rank: int | None = None) -> list[str]:
+                     node_rank: int | None = None, module: str = "train.run") -> list[str]:
     lc = cfg.launch
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1 and node_rank is None:
@@ -53,16 +53,18 @@ def torchrun_command(cfg: TrainConfig, config_path: str | os.PathLike, nproc: in
                 f"--rdzv-id={lc.rdzv_id}"]
         if node_rank is not None:
             cmd.append(f"--node-rank={node_rank}")
-    return cmd + ["-m", "train.run", str(config_path)]
+    return cmd + ["-m", module, str(config_path)]
 
 
 def launch(cfg: TrainConfig, nproc: int | None = None, nnodes: int | None = None, node_rank: int | None = None,
-           dry_run: bool = False) -> int:
+           dry_run: bool = False, module: str = "train.run") -> int:
+    """Validate, write RUN_DIR/config.yaml and run `module` (the trainer, or another worker of the same
+    config such as train.objectives.teacher_cache) under torchrun; returns its exit code."""
     nproc = nproc or cfg.launch.nproc or default_nproc()
     nnodes = nnodes or cfg.launch.nnodes
     node_rank = node_rank if node_rank is not None else cfg.launch.node_rank
     path = prepare(cfg, nproc, nnodes)
-    cmd = torchrun_command(cfg, path, nproc, nnodes, node_rank)
+    cmd = torchrun_command(cfg, path, nproc, nnodes, node_rank, module)
     print("+ " + shlex.join(cmd), flush=True)
     if dry_run:
         return 0

@@ -101,11 +101,15 @@ class Teacher:
             c.requires_grad_(False)
         self.par = par
 
-    def outputs(self, micro: list, docs: dict, seq_length: int, micro_batch_size: int, keep) -> list | None:
-        """keep(logits) → what to hold per micro-batch (the logits, or their top-k)."""
+    def outputs(self, micro: list, docs: dict, keep) -> list | None:
+        """keep(logits) → what to hold per micro-batch of rows (the logits, or their top-k)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from train.model.docmask import rope_positions
+
+        mbs = len(micro[0])
+        seq = micro[0].shape[-1] - (1 if micro[0].dim() == 2 else 0)
+        seq_length, micro_batch_size = (seq * mbs, 1) if docs["varlen"] else (seq, mbs)
 
         def forward_step(data_iterator, model):
             mb = micro_batch(next(data_iterator), **docs)
@@ -123,6 +127,25 @@ class Teacher:
                 num_microbatches=len(micro), seq_length=seq_length, micro_batch_size=micro_batch_size,
                 forward_only=True)
         return [s["out"] for s in stores] if self.par.is_last_stage else None
+
+
+def keep_fn(cfg, vocab: int):
+    """What the student's loss needs of the teacher's logits: all of them, or the top-k (values, ids)."""
+    k = cfg.distill.top_k
+    return (lambda logits: DL.teacher_top_k(logits, k, vocab)) if k else (lambda logits: logits)
+
+
+def document_settings(cfg, data: str, chunks: list) -> dict:
+    """micro_batch's settings as the trainer's (train.trainer._document_settings) for the same run."""
+    from train.eval.scorer import supports_trees
+
+    eos = None
+    if cfg.document_masking() and data == "tokens":
+        from storage.manifest import read_manifest
+
+        eos = read_manifest(cfg.data.dataset).tokenizer.eos_id
+    return {"document_masking": cfg.document_masking(), "eos_id": eos,
+            "varlen": cfg.document_masking() and not supports_trees(chunks)}
 
 
 class Distill(Objective):
@@ -143,37 +166,43 @@ class Distill(Objective):
         super().__init__(cfg, par, model, sinks)
         d = cfg.distill
         self.beta, self.vocab = DL.beta_of(d.loss, d.beta), cfg.model.resolved().vocab_size
-        self.teacher = Teacher(cfg, par, d.teacher)
+        # precomputed: the teacher is built only for the pass that fills a missing cache (prepare)
+        self.teacher = None if d.precomputed else Teacher(cfg, par, d.teacher)
+        self.cache = None
         self.outs: list = []
         self.micro = 0
-        self.docs = self._document_settings()
+        self.docs = document_settings(cfg, self.data, model)
 
-    def keep(self, logits: torch.Tensor):
-        k = self.cfg.distill.top_k
-        return DL.teacher_top_k(logits, k, self.vocab) if k else logits
+    def prepare(self, step: int) -> None:
+        if not self.cfg.distill.precomputed:
+            return
+        from train.objectives import teacher_cache as TC
+
+        folder = TC.cache_dir(self.cfg, self.cfg.distill.teacher)
+        if not os.path.isfile(os.path.join(folder, "cache.json")):
+            if step != 0:
+                raise TC.TeacherCacheError(f"{folder}: no teacher cache and the run is past step 0; run "
+                                           "`train teacher-cache` with this config")
+            if self.sinks:
+                self.sinks.event(0, "teacher", f"computing the teacher's top-{self.cfg.distill.top_k} logits into {folder}")
+            teacher = Teacher(self.cfg, self.par, self.cfg.distill.teacher)
+            TC.compute(self.cfg, self.par, teacher, self.data, log=lambda m: None)
+            del teacher
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if self.par.is_last_stage:
+            self.cache = TC.TeacherCache(folder, self.par.device)
 
     def before_step(self, batch):
-        """The teacher's outputs for each micro-batch of this rank's rows (last stage), before the student's."""
-        mbs = self.rows_per_micro()
-        micro = list(batch.to(self.par.device).split(mbs))
-        docs = self.docs
-        seq = batch.shape[-1] - (1 if batch.dim() == 2 else 0)
-        self.outs = self.teacher.outputs(micro, docs, seq * mbs if docs["varlen"] else seq,
-                                         1 if docs["varlen"] else mbs, self.keep) or []
+        """The teacher's outputs for each micro-batch of this rank's rows (last stage), before the student's:
+        from the teacher, or looked up in the precomputed cache."""
+        micro = list(batch.to(self.par.device).split(self.rows_per_micro()))
+        if self.cfg.distill.precomputed:
+            self.outs = self.cache.outputs(micro, self.docs["varlen"]) if self.cache else []
+        else:
+            self.outs = self.teacher.outputs(micro, self.docs, keep_fn(self.cfg, self.vocab)) or []
         self.micro = 0
         return batch
-
-    def _document_settings(self) -> dict:
-        """micro_batch's settings as the trainer's (train.trainer._document_settings) for the same run."""
-        from train.eval.scorer import supports_trees
-
-        cfg, eos = self.cfg, None
-        if cfg.document_masking() and self.data == "tokens":
-            from storage.manifest import read_manifest
-
-            eos = read_manifest(cfg.data.dataset).tokenizer.eos_id
-        return {"document_masking": cfg.document_masking(), "eos_id": eos,
-                "varlen": cfg.document_masking() and not supports_trees(self.model)}
 
     def forward(self, model, rows, docs: dict, rope: dict):
         mb = micro_batch(rows, **docs)

@@ -17,6 +17,7 @@ class DistillConfig:
     temperature: float = 1.0         # both logits divided by it (no T² factor, as TRL)
     ce_weight: float = 0.0           # token loss = (1 − ce_weight)·divergence + ce_weight·cross entropy on the data
     top_k: int | None = None         # the divergence over the teacher's k most likely tokens (renormalised); null: whole vocabulary
+    precomputed: bool = False        # read the teacher's top-k from a cache beside the dataset (train teacher-cache; built at the first start if missing) instead of co-hosting it
 
     def check(self) -> None:
         if not self.teacher:
@@ -33,3 +34,6 @@ class DistillConfig:
             raise ConfigError(f"key 'distill.ce_weight': must be in [0, 1], got {self.ce_weight}")
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"key 'distill.top_k': must be >= 1 or null, got {self.top_k}")
+        if self.precomputed and not self.top_k:
+            raise ConfigError("key 'distill.precomputed': needs distill.top_k (the cache keeps the teacher's k most "
+                              "likely tokens per position, not the whole vocabulary)")
