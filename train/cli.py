@@ -274,15 +274,15 @@ def refs(reference, dataset, nproc, overrides):
 def teacher_cache(cfg: TrainConfig, config_path, nproc):
     """Precompute the teacher's top-k logits for a distillation CONFIG (`distill.precomputed: true`): the
     teacher alone, under the config's layout, over every row the run will read; stored beside the dataset
-    (DATASET/teacher/, fingerprinted, checksummed). The run then holds no teacher. Without this, the run
-    computes it at its first start."""
+    (DATASET/teacher/, fingerprinted, checksummed). The run then holds no teacher; `train launch` runs this
+    pass itself, before training, when the cache is missing."""
     from train import launch as launcher
 
     if cfg.objective not in ("distill", "distill_sft") or not cfg.distill.precomputed:
         raise click.UsageError(f"{config_path}: key 'distill.precomputed': teacher-cache is for a distill or "
                                "distill_sft run with distill.precomputed: true")
     try:
-        rc = launcher.launch(cfg, nproc=nproc, module="train.objectives.teacher_cache")
+        rc = launcher.launch(cfg, nproc=nproc, pass_only=True)
     except cfgmod.ConfigError as e:
         raise click.UsageError(f"{config_path}: {e}") from None
     sys.exit(rc)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from storage import config as cfgmod
 from train.monitor import console
+from train import objectives
 from train.config import TrainConfig
 
 
@@ -43,7 +44,7 @@ def prepare(cfg: TrainConfig, nproc: int, nnodes: int) -> Path:
 
 
 def torchrun_command(cfg: TrainConfig, config_path: str | os.PathLike, nproc: int, nnodes: int,
-                     node_rank: int | None = None, module: str = "train.run") -> list[str]:
+                     node_rank: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     lc = cfg.launch
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1 and node_rank is None:
@@ -53,19 +54,23 @@ def torchrun_command(cfg: TrainConfig, config_path: str | os.PathLike, nproc: in
                 f"--rdzv-id={lc.rdzv_id}"]
         if node_rank is not None:
             cmd.append(f"--node-rank={node_rank}")
-    return cmd + ["-m", module, str(config_path)]
+    return cmd + ["-m", "train.run", str(config_path), *extra]
 
 
 def launch(cfg: TrainConfig, nproc: int | None = None, nnodes: int | None = None, node_rank: int | None = None,
-           dry_run: bool = False, module: str = "train.run") -> int:
-    """Validate, write RUN_DIR/config.yaml and run `module` (the trainer, or another worker of the same
-    config such as train.objectives.teacher_cache) under torchrun; returns its exit code."""
+           dry_run: bool = False, pass_only: bool = False) -> int:
+    """Validate, write RUN_DIR/config.yaml and train under torchrun; returns the exit code. An objective
+    that needs a pass over the data first (Objective.needs_pass: e.g. a teacher cache to fill) gets it
+    here, in its own processes (`train.run --pass`); `pass_only` runs that pass alone."""
     nproc = nproc or cfg.launch.nproc or default_nproc()
     nnodes = nnodes or cfg.launch.nnodes
     node_rank = node_rank if node_rank is not None else cfg.launch.node_rank
     path = prepare(cfg, nproc, nnodes)
-    cmd = torchrun_command(cfg, path, nproc, nnodes, node_rank, module)
-    print("+ " + shlex.join(cmd), flush=True)
+    cmds = [torchrun_command(cfg, path, nproc, nnodes, node_rank)]
+    if pass_only or objectives.get(cfg.objective).needs_pass(cfg):
+        cmds = [torchrun_command(cfg, path, nproc, nnodes, node_rank, ("--pass",))] + ([] if pass_only else cmds)
+    for cmd in cmds:
+        print("+ " + shlex.join(cmd), flush=True)
     if dry_run:
         return 0
     env = dict(os.environ)
@@ -73,7 +78,11 @@ def launch(cfg: TrainConfig, nproc: int | None = None, nnodes: int | None = None
     # each rank (and its checkpoint-writer helpers) logs library warnings and megatron's messages to
     # RUN_DIR/logs/rank<RANK>.log from its first import on (train.monitor.console)
     env[console.ENV_DIR] = str((Path(cfg.run_dir) / "logs").resolve())
-    return subprocess.call(cmd, env=env)
+    for cmd in cmds:
+        rc = subprocess.call(cmd, env=env)
+        if rc:
+            return rc
+    return 0
 
 
 def sbatch_script(cfg: TrainConfig, config_path: str | os.PathLike, workdir: str | os.PathLike) -> str:

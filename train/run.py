@@ -22,14 +22,36 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        print("usage: python -m train.run CONFIG [KEY=VALUE ...]", file=sys.stderr)
+        print("usage: python -m train.run CONFIG [--pass] [KEY=VALUE ...]", file=sys.stderr)
         return 2
-    cfg = cfgmod.load(TrainConfig, argv[0], argv[1:])
+    only_pass = "--pass" in argv[1:]
+    cfg = cfgmod.load(TrainConfig, argv[0], [a for a in argv[1:] if a != "--pass"])
     console.to_file(console.log_path(os.path.join(cfg.run_dir, "logs")))  # no-op when launch named it
     line = console.notice()  # once per run: what megatron's import warnings amount to, where they went
     if line and os.environ.get("RANK", "0") == "0":
         print(line, flush=True)
-    return run(cfg)
+    return objective_pass(cfg) if only_pass else run(cfg)
+
+
+def objective_pass(cfg) -> int:
+    """`--pass`: the objective's pass before training (Objective.run_pass), without the student model."""
+    from train import objectives
+    from train.data import make_loader
+    from train.model import parallel
+    from train.rampup import BatchSizes
+
+    cfg = cfg.resolved_for_data()
+    par = parallel.init(cfg)
+    try:
+        objective = objectives.get(cfg.objective)
+        loader = make_loader(cfg, par, objective.data)
+        try:
+            objective.run_pass(cfg, par, loader, BatchSizes(cfg.parallel, cfg.data.seq_len, par.dp, par.rank))
+        finally:
+            loader.close()
+        return 0
+    finally:
+        parallel.shutdown()
 
 
 if __name__ == "__main__":

@@ -85,15 +85,16 @@ def ours(work: Path, ds: Path, init: Path, args) -> dict:
 
 
 def sft_step(work: Path, chat: Path, init: Path, width: int, args) -> dict:
-    """An SFT step of `train launch` on rows of the RL update's shape: PROMPTS×G packed rows of `width`."""
+    """An SFT step of `train launch` on rows of the RL update's shape: PROMPTS×G packed rows of `width`, one
+    sequence per row as the update's (document masking off), timed without its data wait as the update is."""
     cfg = {"objective": "sft", "steps": args.steps, "seed": 1, "model": {"preset": "tiny"},
-           "data": {"dataset": str(chat), "seq_len": width, "seed": 1},
+           "data": {"dataset": str(chat), "seq_len": width, "seed": 1, "document_masking": False},
            "parallel": {"global_batch_size": PROMPTS * G, "micro_batch_size": MICRO * G},
            "optim": {"lr": 1e-5, "min_lr": 1e-5, "warmup_steps": 0, "schedule": "constant"},
            "monitor": {"log_every": 1, "tensorboard": False}, "alerts": {"mfu_warn_below": 0.0},
            "checkpoint": {"full_every": 0, "incremental_every": 0}}
     recs = [r for r in _train(work, "sft", cfg, init) if "loss" in r][args.skip:]
-    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs)}
+    return {"tokens_per_s": statistics.median(r["tokens_per_s"] / (1.0 - r["data_wait_share"]) for r in recs)}
 
 
 def trl_worker(folder: str, src: str, steps: int, skip: int) -> dict:
@@ -121,12 +122,14 @@ def trl_worker(folder: str, src: str, steps: int, skip: int) -> dict:
 
     times = []
 
-    class Clock(TrainerCallback):
-        def on_step_begin(self, *a, **k):
+    class Clock(TrainerCallback):  # wall time from one optimizer step's end to the next: everything in the loop
+        def on_train_begin(self, *a, **k):
             self.t = time.perf_counter()
 
         def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t)
+            now = time.perf_counter()
+            times.append(now - self.t)
+            self.t = now
 
     cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), max_steps=steps, per_device_train_batch_size=MICRO * G,
                      gradient_accumulation_steps=PROMPTS // MICRO, num_generations=G, max_completion_length=NEW,

@@ -60,6 +60,17 @@ class Objective:
         """Checks that read the dataset or other files, before any process starts."""
 
     @classmethod
+    def needs_pass(cls, cfg) -> bool:
+        """True when `run_pass` must run before training; `train launch` then runs it first, under torchrun
+        on every rank, in processes that hold no student model."""
+        return False
+
+    @classmethod
+    def run_pass(cls, cfg, par, loader, batches) -> None:
+        """A pass over the rows the run will read (`loader`: a fresh train.data loader of this rank, `batches`:
+        the run's batch sizes), before training: e.g. a teacher's outputs computed into a cache."""
+
+    @classmethod
     def extend_model(cls, cfg, chunks: list) -> None:
         """Change the freshly built model before it is wrapped (add a head: train.model.heads)."""
 

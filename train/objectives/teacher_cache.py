@@ -1,9 +1,10 @@
 """Precomputed teacher top-k logits for distillation (`distill.precomputed: true`, with `distill.top_k`),
 for a teacher too large to share the GPUs with the student and its optimizer.
 
-One pass runs the teacher alone (`train teacher-cache CONFIG`, or the run's first start when the cache is
-missing) over exactly the rows the run will read: its loader (same dataset, mix, seed, sequence length)
-for its `steps` steps, in any TP × PP × DP layout. For every row it keeps the teacher's k largest logits
+One pass runs the teacher alone (`train teacher-cache CONFIG`, or `train launch` before training when the
+cache is missing: Distill.run_pass in processes without the student) over exactly the rows the run will
+read: its loader (same dataset, mix, seed, sequence length) for its `steps` steps, in any TP × PP × DP
+layout. For every row it keeps the teacher's k largest logits
 (float32) and their token ids per position, keyed by the row's content (XXH3-128 of its tokens): the
 teacher's outputs for a row depend on nothing else, so the training run finds its rows under any layout.
 
@@ -64,22 +65,24 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def compute(cfg, par, teacher, data: str, log=print) -> str:
-    """Run `teacher` (train.objectives.distill.Teacher) over every row the run reads (rows of kind `data`)
-    and write the cache; collective over all ranks; returns the folder."""
+def complete(cfg) -> bool:
+    """Whether the run's cache exists (written to the end; its checksums are checked when it is loaded)."""
+    return os.path.isfile(os.path.join(cache_dir(cfg, cfg.distill.teacher), "cache.json"))
+
+
+def compute(cfg, par, teacher, data: str, loader, batches, log=print) -> str:
+    """Run `teacher` (train.objectives.teacher.Teacher) over every row the run reads (this rank's `loader`
+    of rows of kind `data`, fresh; `batches`: the run's train.rampup.BatchSizes) and write the cache;
+    collective over all ranks; returns the folder."""
     import torch.distributed as dist
 
     from storage import atomic
-    from train.data import make_loader
-    from train.objectives.distill import document_settings, keep_fn
-    from train.rampup import BatchSizes
+    from train.objectives.teacher import document_settings, keep_fn
 
     folder = cache_dir(cfg, cfg.distill.teacher)
     os.makedirs(folder, exist_ok=True)
     writer = par.is_last_stage and par.tp_rank == 0
     part = os.path.join(folder, f"dp{par.dp_rank:05d}")
-    loader = make_loader(cfg, par, data)
-    batches = BatchSizes(cfg.parallel, cfg.data.seq_len, par.dp, par.rank)
     docs, keep = document_settings(cfg, data, teacher.chunks), keep_fn(cfg, teacher.model_cfg.resolved().vocab_size)
     mbs, rows, shape = cfg.parallel.micro_batch_size, 0, None
     files = {}
@@ -134,7 +137,8 @@ class TeacherCache:
     def __init__(self, folder: str, device):
         index = os.path.join(folder, "cache.json")
         if not os.path.isfile(index):
-            raise TeacherCacheError(f"{folder}: no complete teacher cache (cache.json is missing)")
+            raise TeacherCacheError(f"{folder}: no complete teacher cache (cache.json is missing); `train "
+                                    "teacher-cache CONFIG` writes it (`train launch` does, before training)")
         with open(index) as f:
             self.meta = json.load(f)
         self.folder, self.device = folder, device
@@ -175,34 +179,3 @@ class TeacherCache:
                 v, i = v.reshape(1, -1, v.shape[-1]), i.reshape(1, -1, i.shape[-1])
             out.append((torch.from_numpy(v).to(self.device), torch.from_numpy(i.astype(np.int64)).to(self.device)))
         return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """torchrun worker of `train teacher-cache`: the teacher alone under the config's layout."""
-    import sys
-
-    from train.model import cpu_compat
-
-    cpu_compat.install()
-    from storage import config as cfgmod
-    from train.config import TrainConfig
-    from train.model import parallel
-    from train.objectives.base import get
-    from train.objectives.distill import Teacher, resolve_teacher
-
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = cfgmod.load(TrainConfig, argv[0], []).resolved_for_data()
-    resolve_teacher(cfg)
-    par = parallel.init(cfg)
-    try:
-        folder = compute(cfg, par, Teacher(cfg, par, cfg.distill.teacher), get(cfg.objective).data,
-                         log=(lambda m: print(m, flush=True)) if par.rank == 0 else (lambda m: None))
-        if par.rank == 0:
-            print(f"wrote {folder}", flush=True)
-        return 0
-    finally:
-        parallel.shutdown()
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
