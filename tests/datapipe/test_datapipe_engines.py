@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -94,6 +95,9 @@ def ray_cluster(tmp_path_factory):
     token of their own; yields (address, environment of a driver, pids of the two `ray start` processes)."""
     require("ray")
     d = tmp_path_factory.mktemp("ray")
+    # Ray's socket paths live under --temp-dir and must stay under 108 bytes (AF_UNIX): a short folder of
+    # its own, not pytest's (which is longer under pytest-xdist: .../popen-gw0/ray0)
+    short = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     port = free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            "RAY_USAGE_STATS_ENABLED": "0"}
@@ -108,7 +112,7 @@ def ray_cluster(tmp_path_factory):
                        "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                        "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port"))]
             cmd += (["--head", f"--port={port}", f"--ray-client-server-port={free_port()}",
-                     f"--dashboard-port={free_port()}", "--include-dashboard=false", f"--temp-dir={d}/tmp"]
+                     f"--dashboard-port={free_port()}", "--include-dashboard=false", f"--temp-dir={short}"]
                     if head else [f"--address=127.0.0.1:{port}"])
             logs.append(d / ("head.log" if head else "node.log"))
             with open(logs[-1], "w") as out:
@@ -122,6 +126,7 @@ def ray_cluster(tmp_path_factory):
     finally:  # with the workers and any driver a failed test left: all have the cluster's token
         _kill_all(procs, [p for p in psutil.process_iter()
                           if _environ(p).get("RAY_AUTH_TOKEN") == env["RAY_AUTH_TOKEN"]])
+        shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
