@@ -239,3 +239,21 @@ def load_weights(model: list, optimizer, ckpt: str, fresh: tuple[str, ...] = ())
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()
     return m
+
+
+def frozen_model(model_cfg, cfg, par, ckpt: str) -> list:
+    """The model chunks of `model_cfg` under the run's TP × PP layout with `ckpt`'s weights, on the GPU when
+    there is one, in eval mode and without gradients: a DPO reference or a distillation teacher."""
+    import torch
+
+    from train.model.gpt import build_model
+
+    chunks = build_model(model_cfg, tp=par.tp, pp=par.pp, bf16=cfg.bf16_weights(), seed=cfg.seed)
+    if torch.cuda.is_available():
+        for c in chunks:
+            c.cuda(torch.cuda.current_device())
+    load_weights(chunks, None, ckpt)
+    for c in chunks:
+        c.eval()
+        c.requires_grad_(False)
+    return chunks

@@ -129,17 +129,9 @@ class OnlineReference:
     forward-only pipeline schedule (results on the last stage, where the loss is computed)."""
 
     def __init__(self, cfg, par, ckpt: str):
-        from train.checkpoint.init_from import load_weights
-        from train.model.gpt import build_model
+        from train.checkpoint.init_from import frozen_model
 
-        self.chunks = build_model(cfg.model, tp=par.tp, pp=par.pp, bf16=cfg.bf16_weights(), seed=cfg.seed)
-        if torch.cuda.is_available():
-            for c in self.chunks:
-                c.cuda(torch.cuda.current_device())
-        load_weights(self.chunks, None, ckpt)
-        for c in self.chunks:
-            c.eval()
-            c.requires_grad_(False)
+        self.chunks = frozen_model(cfg.model, cfg, par, ckpt)
         self.par, self.seq_len = par, cfg.data.seq_len
 
     def logps(self, batch: torch.Tensor, rows_per_micro: int) -> torch.Tensor | None:

@@ -73,18 +73,10 @@ class Teacher:
     forward-only pipeline schedule and returns, on the last stage, one output per micro-batch."""
 
     def __init__(self, cfg, par, ckpt: str):
-        from train.checkpoint.init_from import load_weights
-        from train.model.gpt import build_model
+        from train.checkpoint.init_from import frozen_model
 
         self.model_cfg = teacher_model_config(ckpt)
-        self.chunks = build_model(self.model_cfg, tp=par.tp, pp=par.pp, bf16=cfg.bf16_weights(), seed=cfg.seed)
-        if torch.cuda.is_available():
-            for c in self.chunks:
-                c.cuda(torch.cuda.current_device())
-        load_weights(self.chunks, None, ckpt)
-        for c in self.chunks:
-            c.eval()
-            c.requires_grad_(False)
+        self.chunks = frozen_model(self.model_cfg, cfg, par, ckpt)
         self.par = par
 
     def outputs(self, micro: list, docs: dict, keep) -> list | None:
