@@ -138,12 +138,18 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
         sets.append(f"eval.validation_tokens={validation_tokens}")
     try:
         ckpts, labels = results.parse_targets(targets, every)
-        cfg = results.resolve_config(ckpts[0], config_path, sets)
-        if task_list is None and not cfg.eval.tasks:
-            cfg.eval.tasks = list(EARLY_SIGNAL)
         run_dir = results.run_dir_of(ckpts[0])
         out_dir = out or (str(run_dir / "eval") if run_dir else os.path.join(os.path.dirname(ckpts[0]), "eval"))
-        rc = results.launch(ckpts, cfg, out_dir, nproc, tokenizer, labels if any(labels) else None)
+        shapes: dict[str, list[int]] = {}  # one evaluation process group per model shape, in target order
+        for i, c in enumerate(ckpts):
+            shapes.setdefault(json.dumps(results.checkpoint_model(c), sort_keys=True), []).append(i)
+        rc = 0
+        for idx in shapes.values():
+            cfg = results.resolve_config(ckpts[idx[0]], config_path, sets)
+            if task_list is None and not cfg.eval.tasks:
+                cfg.eval.tasks = list(EARLY_SIGNAL)
+            rc = rc or results.launch([ckpts[i] for i in idx], cfg, out_dir, nproc, tokenizer,
+                                      [labels[i] for i in idx] if any(labels) else None)
     except cfgmod.ConfigError as e:
         raise click.UsageError(str(e)) from None
     sys.exit(rc)

@@ -71,11 +71,23 @@ def parse_targets(targets: list[str] | tuple[str, ...], every: bool) -> tuple[li
     return ckpts, labels
 
 
+def checkpoint_model(ckpt: str) -> dict:
+    """The model config a checkpoint's manifest records (meta.model; {} when it records none)."""
+    from train.model.gpt import ModelConfig
+
+    model = (layout.read_manifest(fsspec.filesystem("file"), ckpt).get("meta") or {}).get("model") or {}
+    return {k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}
+
+
 def resolve_config(ckpt: str, config_path: str | None, overrides: list[str]) -> TrainConfig:
+    """The config to evaluate `ckpt` with: CONFIG (or its run's config.yaml) with the model shape the
+    checkpoint records (a pruned or distilled checkpoint is evaluated under its own shape), else a config
+    made from its manifest alone."""
     run_dir = run_dir_of(ckpt)
     path = config_path or (str(run_dir / "config.yaml") if run_dir else None)
     if path:
-        return cfgmod.load(TrainConfig, path, overrides)
+        shape = [f"model.{k}={json.dumps(v)}" for k, v in checkpoint_model(ckpt).items()]
+        return cfgmod.load(TrainConfig, path, shape + list(overrides))
     meta = layout.read_manifest(fsspec.filesystem("file"), ckpt).get("meta") or {}
     if "model" not in meta:
         raise ConfigError(f"{ckpt}: no run config.yaml beside it and no model recorded in its manifest; "
