@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the timing")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default="pretrain,sft,dpo", help="objectives to time (comma-separated)")
     ap.add_argument("--append", default=None, help="append the table to this markdown file")
     args = ap.parse_args()
     demo = Path(args.demo_out).resolve()
@@ -76,20 +77,26 @@ def main() -> None:
                        capture_output=True)
         try:
             times: dict[tuple[str, str], list[float]] = {}
+            per_round: dict[str, list[float]] = {}
+            only = args.only.split(",")
             for rnd in range(args.rounds):
-                for name, a in runs(demo).items():
+                for name, a in [(n, a) for n, a in runs(demo).items() if n in only]:
                     order = [("before", before), ("after", REPO)]
                     for side, tree in order if rnd % 2 == 0 else order[::-1]:
                         t = step_times(tree, a, Path(tmp), args.steps, args.skip)
                         times.setdefault((name, side), []).extend(t)
                         print(f"round {rnd} {name:8s} {side:6s} median {statistics.median(t) * 1e3:7.1f} ms/step",
                               flush=True)
+                        per_round.setdefault(name, []).append(statistics.median(t))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=REPO, capture_output=True)
-    lines = [f"| objective | {rev} ms/step | {head} ms/step | after / before |", "|---|---|---|---|"]
-    for name in ("pretrain", "sft", "dpo"):
+    lines = [f"| objective | {rev} ms/step | {head} ms/step | after / before | per round |", "|---|---|---|---|---|"]
+    for name in only:
         b, a = statistics.median(times[(name, "before")]), statistics.median(times[(name, "after")])
-        lines.append(f"| {name} | {b * 1e3:.1f} | {a * 1e3:.1f} | {a / b:.3f} |")
+        r = per_round[name]  # each round's (before, after) medians, in the order run
+        rounds = ", ".join(f"{(r[i + 1] / r[i]) if i // 2 % 2 == 0 else (r[i] / r[i + 1]):.3f}"
+                           for i in range(0, len(r), 2))
+        lines.append(f"| {name} | {b * 1e3:.1f} | {a * 1e3:.1f} | {a / b:.3f} | {rounds} |")
     table = "\n".join(lines)
     print(table)
     if args.append:
