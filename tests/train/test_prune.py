@@ -95,7 +95,7 @@ def calib(tmp_path_factory):
     return str(root)
 
 
-def test_width_pruned_logits_equal_the_transformers_export(tiny_hf, calib, tmp_path):
+def test_width_pruned_logits_equal_the_transformers_export(tiny_hf, tiny_ckpt, calib, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from train.checkpoint.cli import ckpt
@@ -126,6 +126,15 @@ def test_width_pruned_logits_equal_the_transformers_export(tiny_hf, calib, tmp_p
     for layout in ((1, 1), (2, 1), (1, 2)):
         d = (got[(pruned, *layout)] - want).abs().max().item()
         assert d < 1e-4, (layout, d)
+    # one `train eval` call compares the model (imported: a Megatron checkpoint) and its pruned child, each
+    # under the shape its manifest records
+    from train.cli import main
+
+    r = CliRunner().invoke(main, ["eval", f"full={tiny_ckpt}", f"pruned={pruned}", "--tasks", "arc_easy", "--limit", "2",
+                                  "--validation-tokens", "0", "--set", "data.seq_len=64", "--out", str(tmp_path / "cmp")])
+    assert r.exit_code == 0, r.output
+    sizes = {n: json.load(open(tmp_path / "cmp" / f"{n}.json"))["metrics"]["size_bytes"] for n in ("full", "pruned")}
+    assert sizes["pruned"] < sizes["full"], sizes
 
 
 def test_depth_pruning_keeps_the_important_layers_and_bad_arguments_are_refused(tiny_hf, calib, tmp_path):
