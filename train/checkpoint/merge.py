@@ -225,13 +225,20 @@ def merge(method: str, args: list[str], out_root: str, normalize: bool = False,
     if os.path.isdir(out_root) and any(n.startswith("step_") for n in os.listdir(out_root)):
         raise MergeError(f"{out_root}: already holds checkpoints; give an empty or new folder")
     plan, warnings = make_plan(pairs, method, normalized=any(w != g for _, w, g in pairs))
+    return run_worker("--merge", out_root, plan, timeout, MergeError, "merge"), warnings, plan
+
+
+def run_worker(mode: str, out_root: str, plan: dict, timeout: float | None, error: type[Exception], what: str) -> str:
+    """Run train.checkpoint.import_worker `mode` (--merge, --prune) on `plan` in a subprocess (megatron writes
+    the checkpoint); returns the path it prints last. Its one-line errors (exit 2) raise `error` as they are,
+    anything else with the tail of its output."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    r = subprocess.run([sys.executable, "-m", "train.checkpoint.import_worker", "--merge", out_root],
+    r = subprocess.run([sys.executable, "-m", "train.checkpoint.import_worker", mode, out_root],
                        input=json.dumps(plan), env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         errors = [ln[len("error: "):] for ln in r.stderr.splitlines() if ln.startswith("error: ")]
         if r.returncode == 2 and errors:
-            raise MergeError(errors[-1])
+            raise error(errors[-1])
         tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
-        raise MergeError(f"merge into {out_root} failed:\n{tail}")
-    return r.stdout.strip().splitlines()[-1], warnings, plan
+        raise error(f"{what} into {out_root} failed:\n{tail}")
+    return r.stdout.strip().splitlines()[-1]

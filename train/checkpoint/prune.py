@@ -26,10 +26,7 @@ manifest's `meta.prune` records the input, the targets, the calibration data and
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import torch
 
@@ -259,7 +256,7 @@ def prune(ckpt: str, out_root: str, width: str | None, depth: int | None, datase
     from train.checkpoint import layout
     from train.checkpoint.export_hf import carried_dir
     from train.checkpoint.init_from import find_checkpoint
-    from train.checkpoint.merge import _output_shape
+    from train.checkpoint.merge import _output_shape, run_worker
 
     if (width is None) == (depth is None):
         raise PruneError("give --width hidden=..,ffn=..,heads=.. or --depth N (one of them)")
@@ -285,13 +282,4 @@ def prune(ckpt: str, out_root: str, width: str | None, depth: int | None, datase
             "seq_len": seq_len or int(meta.get("seq_len") or 256), "shape": shape,
             "meta": {k: meta[k] for k in ("seq_len", "tokenizer", "hf") if meta.get(k)},
             "carry": carried_dir(ckpt, m)}
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    r = subprocess.run([sys.executable, "-m", "train.checkpoint.import_worker", "--prune", out_root],
-                       input=json.dumps(plan), env=env, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        errors = [ln[len("error: "):] for ln in r.stderr.splitlines() if ln.startswith("error: ")]
-        if r.returncode == 2 and errors:
-            raise PruneError(errors[-1])
-        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
-        raise PruneError(f"pruning into {out_root} failed:\n{tail}")
-    return r.stdout.strip().splitlines()[-1]
+    return run_worker("--prune", out_root, plan, timeout, PruneError, "pruning")
