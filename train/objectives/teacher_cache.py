@@ -53,8 +53,10 @@ def cache_dir(cfg, teacher_ckpt: str) -> str:
     return os.path.join(base, "teacher", fingerprint(cfg, teacher_ckpt))
 
 
-def row_key(row: torch.Tensor) -> bytes:
-    return xxhash.xxh3_128_digest(row.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+def row_keys(rows: torch.Tensor) -> list[bytes]:
+    """The key of each row of a micro-batch (one copy to the host for all of them)."""
+    host = rows.detach().to("cpu", torch.int64).contiguous().numpy()
+    return [xxhash.xxh3_128_digest(r.tobytes()) for r in host]
 
 
 def _sha256(path: str) -> str:
@@ -100,7 +102,7 @@ def compute(cfg, par, teacher, data: str, loader, batches, log=print) -> str:
                 for m, (v, i) in zip(micro, outs):
                     v, i = v.reshape(len(m), -1, v.shape[-1]), i.reshape(len(m), -1, i.shape[-1])
                     shape = tuple(v.shape[1:])
-                    files["keys"].file.write(b"".join(row_key(r) for r in m))
+                    files["keys"].file.write(b"".join(row_keys(m)))
                     files["values"].file.write(v.to("cpu", torch.float32).contiguous().numpy().tobytes())
                     files["ids"].file.write(i.to("cpu", torch.int32).contiguous().numpy().tobytes())
                     rows += len(m)
@@ -166,8 +168,8 @@ class TeacherCache:
         out = []
         for m in micro:
             at = []
-            for r in m:
-                hit = self.rows.get(row_key(r))
+            for r, key in zip(m, row_keys(m)):
+                hit = self.rows.get(key)
                 if hit is None:
                     raise TeacherCacheError(
                         f"{self.folder}: holds no teacher outputs for a row this run reads (its first tokens: "
