@@ -7,7 +7,7 @@ checkpoints, then linear 0.9 soup + 0.1 mid-training) → GRPO on arithmetic que
 → one table comparing the stages (validation loss, benchmarks, GSM8K and IFEval generated and scored as
 lm-eval scores them). Prints where every output lies.
 
-    python -m tools.demo [--out demo-out] [--steps 450] [--mid-steps 80] [--sft-epochs 2]
+    python -m tools.demo [--out demo-out] [--steps 450] [--mid-steps 60] [--sft-epochs 1]
                          [--apo-epochs 1] [--pairs N] [--grpo-steps 60] [--eval-limit N]
 """
 from __future__ import annotations
@@ -177,8 +177,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="demo-out")
     ap.add_argument("--steps", type=int, default=450, help="total training steps (stops at 2/3, then resumes)")
-    ap.add_argument("--mid-steps", type=int, default=80, help="steps of the mid-training stage")
-    ap.add_argument("--sft-epochs", type=float, default=2.0, help="epochs of the SFT stage")
+    ap.add_argument("--mid-steps", type=int, default=60, help="steps of the mid-training stage")
+    ap.add_argument("--sft-epochs", type=float, default=1.0, help="epochs of the SFT stage")
     ap.add_argument("--apo-epochs", type=float, default=1.0, help="epochs of the APO-zero stage")
     ap.add_argument("--pairs", type=int, default=None, help="SciQ pairs for the APO stage (default: all 1,000)")
     ap.add_argument("--grpo-steps", type=int, default=60, help="steps of the GRPO stage")

@@ -88,3 +88,32 @@ def test_bad_input_is_one_line_naming_the_key_file_and_line(tiny_hf, tmp_path):
         assert "Traceback" not in r.output, r.output
     r = CliRunner().invoke(main, ["eval", "--hf", folder, "--tasks", "gsm8k_cott"])
     assert "generative: gsm8k_cot, gsm8k_cot_chat, ifeval" in r.output
+
+
+def test_ifeval_scores_do_not_depend_on_the_callers_random_state(tiny_hf):
+    """lm-eval's letter-frequency checker draws a random letter for prompts whose letter is not a-z (keys 1122
+    '#', 1129 '!'): scored raw, the same text gets different results under different random states; our
+    scorer seeds per doc, so it gets one."""
+    import random
+
+    from lm_eval.tasks.ifeval import utils
+
+    from train.eval.generative import GenerativeTask
+    from train.generation.load import load
+
+    _, tok, template, _ = load(tiny_hf[0])
+    task = GenerativeTask("ifeval", None, tok, max_length=512, chat_template=template, max_new_tokens=8)
+    docs = {inst.doc["key"]: i for i, inst in enumerate(task.instances)}
+    text = "a" * 40 + "b" * 40  # 40 a's and 40 b's, no other letter: 'at least 4/6 of <random letter>' flips
+    raw = set()
+    for seed in range(12):
+        random.seed(seed)
+        raw.add(tuple(utils.process_results(task.instances[docs[1122]].doc, [text])["inst_level_strict_acc"]))
+    assert len(raw) > 1  # lm-eval's own scoring of this prompt depends on the random state
+    texts = [text] * len(task.instances)
+    scored = []
+    for seed in (0, 1, 2):
+        random.seed(seed)
+        _, details = task.score(texts)
+        scored.append([(it["inst_level_strict_acc"], it["inst_level_loose_acc"]) for it in details["items"]])
+    assert scored[0] == scored[1] == scored[2]

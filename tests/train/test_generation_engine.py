@@ -4,7 +4,8 @@ on 36 prompts of 1 to 70 tokens
 (batches of 8, so left padding varies within a batch), stop strings end a sequence at the token that
 completes them, stop tokens are kept, sampling repeats with its seed and returns the log-probs the model
 gives its tokens, vocabulary padding rows are never generated, speculative decoding with a draft gives the
-target's greedy output, and the Megatron model in memory (TP=2) mirrors into the same transformers model."""
+target's greedy output, a prefix the prompts share is run once without changing the output, and the
+Megatron model in memory (TP=2) mirrors into the same transformers model."""
 from __future__ import annotations
 
 import pytest
@@ -94,6 +95,37 @@ def test_sampling_repeats_with_its_seed_and_returns_the_models_log_probs(setup):
             logits = model(x).logits[0, len(p) - 1:-1].float() / 0.8
         want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
         assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)
+
+
+def test_a_shared_prefix_is_run_once_and_changes_nothing(setup):
+    """Prompts sharing a long prefix (few-shot exemplars): the padded backend runs it once into a cache laid
+    out [prefix][padding][rest]; greedy output still equals generate at batch size 1, and sampled log-probs
+    are still the model's."""
+    from transformers import GenerationConfig
+
+    from train.generation.engine import SHARED_PREFIX, Engine, SamplingParams
+
+    model, tok, prompts, _, eos = setup
+    head = [t for p in prompts[20:] for t in p][:SHARED_PREFIX + 9]
+    shared = [head + prompts[i][:1 + i % 11] for i in range(12)]  # rests of 1 to 11 tokens
+    ref = []
+    for ids in shared:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(
+                max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                suppress_tokens=list(range(len(tok), model.config.vocab_size))))
+        ref.append(out[0, len(ids):].tolist())
+    eng = Engine(model, tok, eos, backend="padded", max_batch_size=8)
+    ids, mask, cache = eng._batch_inputs(shared[:8], N_NEW)
+    assert cache is not None and cache.get_seq_length() == len(head) and mask[:, :len(head)].all()
+    assert [c[0].token_ids for c in eng.generate(shared, SamplingParams(max_new_tokens=N_NEW))] == ref
+    s = eng.generate(shared[3:4] * 2, SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, logprobs=True))[0][0]
+    x = torch.tensor([shared[3] + s.token_ids])
+    with torch.no_grad():
+        logits = model(x).logits[0, len(shared[3]) - 1:-1].float() / 0.8
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)
 
 
 def test_vocabulary_padding_rows_are_never_generated(setup):

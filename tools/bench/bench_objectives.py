@@ -6,8 +6,11 @@ checkpoints and in-loop evaluation off. The earlier revision runs from a tempora
 the same interpreter; runs alternate ABBA per round; the figure is the median step time over the logged
 steps after `--skip` warm-up steps, over all rounds.
 
-    python tools/bench/bench_objectives.py --before REV [--demo-out demo-out] [--steps 30] [--skip 5]
-                                           [--rounds 2] [--append docs/benchmarks.md]
+    python tools/bench/bench_objectives.py --before REV [--after REV] [--demo-out demo-out] [--steps 30]
+                                           [--skip 5] [--rounds 2] [--only sft] [--append docs/benchmarks.md]
+
+`--after REV` times another revision (also from a worktree) instead of this tree: e.g. a refactor's own
+commit against its parent, without what was merged since.
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ def step_times(tree: Path, args: list[str], work: Path, steps: int, skip: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="git revision to compare against (e.g. the commit before a refactor)")
+    ap.add_argument("--after", default=None, help="git revision to time instead of this tree")
     ap.add_argument("--demo-out", default="demo-out", help="a finished `make demo` output folder")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the timing")
@@ -69,19 +73,24 @@ def main() -> None:
     demo = Path(args.demo_out).resolve()
     rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout.strip()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", args.after or "HEAD"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(before), rev], cwd=REPO, check=True,
                        capture_output=True)
+        after = REPO
+        if args.after:
+            after = Path(tmp) / "after"
+            subprocess.run(["git", "worktree", "add", "--detach", str(after), head], cwd=REPO, check=True,
+                           capture_output=True)
         try:
             times: dict[tuple[str, str], list[float]] = {}
             per_round: dict[str, list[float]] = {}
             only = args.only.split(",")
             for rnd in range(args.rounds):
                 for name, a in [(n, a) for n, a in runs(demo).items() if n in only]:
-                    order = [("before", before), ("after", REPO)]
+                    order = [("before", before), ("after", after)]
                     for side, tree in order if rnd % 2 == 0 else order[::-1]:
                         t = step_times(tree, a, Path(tmp), args.steps, args.skip)
                         times.setdefault((name, side), []).extend(t)
@@ -89,7 +98,8 @@ def main() -> None:
                               flush=True)
                         per_round.setdefault(name, []).append(statistics.median(t))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=REPO, capture_output=True)
+            for tree in {before, after} - {REPO}:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     lines = [f"| objective | {rev} ms/step | {head} ms/step | after / before | per round |", "|---|---|---|---|---|"]
     for name in only:
         b, a = statistics.median(times[(name, "before")]), statistics.median(times[(name, "after")])

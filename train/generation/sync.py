@@ -31,7 +31,10 @@ def full_tensors(chunks: list, dst: int = 0) -> dict[str, torch.Tensor] | None:
                    for p in main_pieces(sd)]
     world, rank = dist.get_world_size(), dist.get_rank()
     gathered = [None] * world if rank == dst else None
-    dist.gather_object(pieces, gathered, dst=dst)
+    if world == 1:
+        gathered[0] = pieces  # (gather_object would pickle every tensor only to unpickle it here)
+    else:
+        dist.gather_object(pieces, gathered, dst=dst)
     if rank != dst:
         return None
     out: dict[str, torch.Tensor] = {}

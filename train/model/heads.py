@@ -9,6 +9,11 @@ megatron's tied-embedding gradient sync expects it:
 - `replace=True`: the model returns scores [B, S, 1] instead of logits (no vocabulary GEMM);
 - `replace=False`: the model returns logits as before and the values [B, S] of the same forward pass land in
   `box["values"]` (read by the loss function of that micro-batch).
+
+`logits_at_positions` wraps the output layer the same way for a caller that needs logits at a few positions
+only (RL: the completion tokens, a fifth of a row or less): it hands the output layer just those hidden
+states, as megatron's own inference path hands it only the last token's, so neither the vocabulary GEMM
+nor anything after it runs on the rest.
 """
 from __future__ import annotations
 
@@ -52,3 +57,23 @@ def attach(chunk, name: str, *, seed: int, replace: bool, box: dict | None = Non
 
     out.forward = forward
     return head
+
+
+def logits_at_positions(chunk) -> None:
+    """After this, `chunk.logit_positions = mask` ([B, S] bool) before a forward makes the model return the
+    logits at the set positions only, [1, N, V] in row-major order of the mask (the mask is consumed by that
+    forward; without one the model returns [B, S, V] as before). A no-op off the last pipeline stage. Call it
+    before attaching a head with `replace=False`, so that the head still reads every position."""
+    if not getattr(chunk, "post_process", False) or getattr(chunk, "_logits_at_positions", False):
+        return
+    out = chunk.output_layer
+    original = out.forward
+
+    def forward(hidden_states, weight=None, runtime_gather_output=None):
+        at = chunk.__dict__.pop("logit_positions", None)
+        if at is not None:  # [S, B, H] → [N, 1, H]
+            hidden_states = hidden_states.transpose(0, 1)[at].unsqueeze(1)
+        return original(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output)
+
+    out.forward = forward
+    chunk._logits_at_positions = True

@@ -33,6 +33,7 @@ class PPO(RL):
     def extend_model(cls, cfg, chunks: list) -> None:
         from train.model.heads import attach
 
+        super().extend_model(cfg, chunks)  # logits at the completion positions; the value head reads them all
         for c in chunks:
             c.scalar_box = {}
             attach(c, HEAD, seed=cfg.seed, replace=False, box=c.scalar_box)
@@ -75,11 +76,11 @@ class PPO(RL):
 
         def forward_step(data_iterator, model):
             r = next(data_iterator)
-            tokens = r[:, F["tokens"]].long()
-            out = model(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None)
+            out = self.policy_forward(model, r)
 
             def collect(logits):
-                lp, _ = token_logps(logits, r[:, F["labels"]].long(), self.vocab, self.rl.temperature)
+                lp, _ = token_logps(logits, r[:, F["labels"]].long(), r[:, F["mask"]], self.vocab,
+                                    self.rl.temperature, entropy_grad=False)
                 v = _box(model)["values"]
                 return lp.sum(), torch.tensor(1, dtype=torch.int, device=lp.device), {"lp": lp.detach(),
                                                                                       "v": v.detach()}

@@ -43,24 +43,33 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     return s.log() - reduce((e * z).sum(-1)) / s
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor, vocab: int, temperature: float,
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, vocab: int, temperature: float,
                 entropy_grad: bool = True):
-    """(log-probs of `labels`, entropies) under softmax(logits / temperature) [B, S], TP-split vocabulary;
-    the embedding's padding rows (ids >= vocab) are excluded, as the engine never samples them. With
+    """(log-probs of `labels`, entropies) [B, S] under softmax(logits / temperature), TP-split vocabulary, at
+    the positions where `mask` is set, 0 elsewhere (only completion tokens enter the loss). `logits` are
+    [B, S, V] or, from a model asked for the mask's positions only (`policy_forward`), [1, N, V]. The
+    embedding's padding rows (ids >= vocab) are excluded, as the engine never samples them. With
     entropy_grad False the entropy is a detached metric (no autograd graph kept for it)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    z = logits.float() / temperature
+    at = mask.bool()
+    z = (logits[at] if logits.shape[:2] == at.shape else logits.reshape(-1, logits.shape[-1])).float()
+    if temperature != 1.0:
+        z = z / temperature
     part = z.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * part
     if start + part > vocab:
-        z = torch.cat([z[..., :max(vocab - start, 0)], torch.full_like(z[..., max(vocab - start, 0):], -1e30)], -1)
-    logp = -vocab_parallel_cross_entropy(z.clone(), labels)  # (it subtracts the max in place)
+        keep = max(vocab - start, 0)
+        z = torch.cat([z[:, :keep], torch.full_like(z[:, keep:], -1e30)], -1)
+    logp = -vocab_parallel_cross_entropy(z.clone(), labels[at])  # (it subtracts the max in place)
     if entropy_grad:
-        return logp, vocab_parallel_entropy(z)
-    with torch.no_grad():
-        return logp, vocab_parallel_entropy(z.detach())
+        ent = vocab_parallel_entropy(z)
+    else:
+        with torch.no_grad():
+            ent = vocab_parallel_entropy(z.detach())
+    full = torch.zeros(labels.shape, dtype=logp.dtype, device=logp.device)
+    return full.masked_scatter(at, logp), full.masked_scatter(at, ent)
 
 
 class RL(Objective):
@@ -73,6 +82,13 @@ class RL(Objective):
         cfg.rl.check(cls.name)
         if cfg.data.document_masking:
             raise ConfigError(f"key 'data.document_masking': {cls.name} trains on one completion per row")
+
+    @classmethod
+    def extend_model(cls, cfg, chunks: list) -> None:
+        from train.model.heads import logits_at_positions
+
+        for c in chunks:
+            logits_at_positions(c)
 
     @classmethod
     def check_data(cls, cfg) -> None:
@@ -116,6 +132,7 @@ class RL(Objective):
             from train.objectives.refs import OnlineReference
 
             self.reference = OnlineReference(cfg, par, cfg.rl.reference or cfg.init)
+            self.extend_model(cfg, _unwrapped(self.reference.chunks))
 
     def rows_per_micro(self) -> int:
         return self.cfg.parallel.micro_batch_size * self.rl.group_size
@@ -145,7 +162,7 @@ class RL(Objective):
             self.tokenizer, template, eos = tokenizer_for(self._tokenizer_path())
             stop = list(eos) + [i for i in end_of_turn_ids(template or _chatml(), self.tokenizer) if i not in eos]
             self.engine = Engine(model, self.tokenizer, stop, backend=self.rl.backend,
-                                 max_batch_size=max(self.rows_per_micro(), 16))
+                                 max_batch_size=min(max(self.sequences(self.cfg.parallel.global_batch_size), 16), 256))
         return self.engine
 
     def _tokenizer_path(self) -> str:
@@ -201,11 +218,11 @@ class RL(Objective):
 
         def forward_step(data_iterator, model):
             r = next(data_iterator)
-            tokens = r[:, F["tokens"]].long()
-            out = model(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None)
+            out = self.policy_forward(model, r)
 
             def collect(logits):
-                lp, _ = token_logps(logits, r[:, F["labels"]].long(), self.vocab, self.rl.temperature)
+                lp, _ = token_logps(logits, r[:, F["labels"]].long(), r[:, F["mask"]], self.vocab,
+                                    self.rl.temperature, entropy_grad=False)
                 return lp.sum(), torch.tensor(1, dtype=torch.int, device=lp.device), {"lp": lp.detach()}
             return out, collect
 
@@ -220,14 +237,21 @@ class RL(Objective):
 
     # ---------------------------------------------------------------- loss
     def forward(self, model, rows, docs: dict, rope: dict):
+        return self.policy_forward(model, rows), lambda logits: self.loss(logits, rows)
+
+    @staticmethod
+    def policy_forward(model, rows: torch.Tensor):
+        """The model on the rows' tokens; on the last stage it returns logits at the completion positions only."""
         tokens = rows[:, F["tokens"]].long()
-        out = model(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None)
-        return out, lambda logits: self.loss(logits, rows)
+        (chunk,) = _unwrapped([model])
+        if getattr(chunk, "post_process", False):
+            chunk.logit_positions = rows[:, F["mask"]].bool()
+        return model(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None)
 
     def loss(self, logits: torch.Tensor, rows: torch.Tensor, kl_in_loss: bool = True):
         rl = self.rl
         mask = rows[:, F["mask"]].float()
-        logp, ent = token_logps(logits, rows[:, F["labels"]].long(), self.vocab, rl.temperature,
+        logp, ent = token_logps(logits, rows[:, F["labels"]].long(), mask, self.vocab, rl.temperature,
                                 entropy_grad=bool(rl.entropy_coef))
         adv = rows[:, F["advantage"]].float()
         per_tok, st = L.policy_loss(logp, logp.detach(), adv, eps_low=rl.eps_low, eps_high=rl.eps_high,
@@ -299,6 +323,12 @@ class RL(Objective):
         box = [out]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+def _unwrapped(chunks: list) -> list:
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(chunks)
 
 
 def _chatml() -> str:
