@@ -2,7 +2,7 @@
 of every CPU backend equals transformers' `generate` at batch size 1 (vocabulary padding rows suppressed)
 on 36 prompts of 1 to 70 tokens
 (batches of 8, so left padding varies within a batch), stop strings end a sequence at the token that
-completes them, stop tokens are kept, sampling repeats with its seed and returns the log-probs the model
+completes them, stop tokens are kept, rows that end leave the batch without changing the others, sampling repeats with its seed and returns the log-probs the model
 gives its tokens, vocabulary padding rows are never generated, speculative decoding with a draft gives the
 target's greedy output, a prefix the prompts share is run once without changing the output, and the
 Megatron model in memory (TP=2) mirrors into the same transformers model."""
@@ -95,6 +95,38 @@ def test_sampling_repeats_with_its_seed_and_returns_the_models_log_probs(setup):
             logits = model(x).logits[0, len(p) - 1:-1].float() / 0.8
         want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
         assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)
+
+
+def test_rows_that_end_leave_the_batch_and_change_nothing(setup, monkeypatch):
+    """Decoded in chunks of 8 steps, rows that ended (a stop token) leave the batch between chunks: every row's
+    greedy output is still its batch-size-1 output cut at the stop token, and rows did end at different chunks."""
+    from transformers import GenerationConfig
+
+    from train.generation import engine as E
+
+    model, tok, prompts, _, eos = setup
+    monkeypatch.setattr(E, "CHUNK", 8)
+    n_new, chosen = 40, prompts[:16]
+    free = []
+    for ids in chosen:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(
+                max_new_tokens=n_new, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                suppress_tokens=list(range(len(tok), model.config.vocab_size))))
+        free.append(out[0, len(ids):].tolist())
+    counts: dict[int, int] = {}
+    for r in free:
+        for t in set(r[:20]):
+            counts[t] = counts.get(t, 0) + 1
+    stop = max(counts, key=lambda t: (counts[t] < len(free), counts[t]))  # in many rows' first 20, not all
+    want = [r[:r.index(stop) + 1] if stop in r else r for r in free]
+    ends = {len(w) for w in want if w[-1] == stop}
+    assert min(ends) <= 8 < max(len(w) for w in want) and len(ends) > 1
+    got = E.Engine(model, tok, eos, backend="padded", max_batch_size=16).generate(
+        chosen, E.SamplingParams(max_new_tokens=n_new, stop_token_ids=(stop,)))
+    assert [c[0].token_ids for c in got] == want
+    assert [c[0].finish_reason for c in got] == ["stop" if w[-1] in (stop, *eos) else "length" for w in want]
 
 
 def test_a_shared_prefix_is_run_once_and_changes_nothing(setup):

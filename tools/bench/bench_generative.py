@@ -115,6 +115,38 @@ def backends(folder: str, prompts: int, max_new: int, batch: int) -> dict:
 
 
 PARTS = ("parity", "speed", "ifeval", "spec", "backends")
+SPEED = {"gsm8k_cot": ("gsm8k/gsm8k-cot.yaml", False), "gsm8k_cot_chat": ("gsm8k/gsm8k-cot-zeroshot.yaml", True),
+         "ifeval": ("ifeval/ifeval.yaml", True)}
+
+
+def speed(folder: str, work: str, task: str, args) -> dict:
+    """Items/s of ours and of lm-eval (its best batch size) on the first --speed-items docs of `task`."""
+    from train.eval.generative import read_docs
+
+    yaml_path, chat = SPEED[task]
+    _, docs, _ = read_docs(task, args.speed_items)
+    path = os.path.join(work, f"speed-{task}.jsonl")
+    Path(path).write_text("".join(json.dumps(d) + "\n" for d in docs))
+    new = args.ifeval_tokens if task == "ifeval" else None
+    tries = {}
+    for b in (int(x) for x in args.lm_eval_batch.split(",")):
+        _, tries[b] = lmeval(folder, yaml_path, path, os.path.join(work, f"{task}-try{b}"), b, chat, new)
+        print(f"{task}: lm-eval batch {b}: {tries[b]:.1f} s", flush=True)
+    best = min(tries, key=tries.get)
+    t_ours, t_ref = [], []
+    for r in range(args.rounds):
+        for side in (("ours", "lm-eval") if r % 2 == 0 else ("lm-eval", "ours")):
+            if side == "ours":
+                mine, dt = ours(folder, f"{task}={path}", None, new, args.batch)
+                t_ours.append(dt)
+            else:
+                _, dt = lmeval(folder, yaml_path, path, os.path.join(work, f"{task}-r{r}"), best, chat, new)
+                t_ref.append(dt)
+            print(f"{task} round {r} {side}: {dt:.1f} s", flush=True)
+    n = len(docs)
+    return {"task": task, "items": n, "max_new": mine["max_new_tokens"], "best": best,
+            "ours": n / statistics.median(t_ours), "ref": n / statistics.median(t_ref),
+            "ended": sum(it["finish_reason"] == "stop" for it in mine["items"])}
 
 
 def main() -> None:
@@ -122,7 +154,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default="demo-out/sft", help="a checkpoint or run dir (its newest), or HF folder")
     ap.add_argument("--items", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--speed-items", type=int, default=32, help="items of the timed rounds (the first of --items)")
+    ap.add_argument("--speed-items", type=int, default=32, help="items of each task's timed rounds")
+    ap.add_argument("--speed-tasks", default="gsm8k_cot,gsm8k_cot_chat,ifeval", help="tasks timed against lm-eval")
     ap.add_argument("--batch", type=int, default=32, help="our engine's batch size")
     ap.add_argument("--lm-eval-batch", default="8,32,64", help="lm-eval batch sizes to try (its best is timed; "
                     "the first runs the parity check)")
@@ -189,34 +222,20 @@ per-instruction results (strict and loose) on {ifeval['same_instruction_results'
 instructions), same prompt-level scores on {ifeval['same_per_item_scores']}.
 """)
     if "speed" in parts:
-        sdocs = docs[:args.speed_items]
-        spath = os.path.join(work, "speed.jsonl")
-        Path(spath).write_text("".join(json.dumps(d) + "\n" for d in sdocs))
-        tries = {}
-        for b in (int(x) for x in args.lm_eval_batch.split(",")):
-            _, tries[b] = lmeval(folder, "gsm8k/gsm8k-cot.yaml", spath, os.path.join(work, f"try{b}"), b, False, None)
-            print(f"lm-eval batch {b}: {tries[b]:.1f} s", flush=True)
-        best = min(tries, key=tries.get)
-        t_ours, t_ref = [], []
-        for r in range(args.rounds):
-            for side in (("ours", "lm-eval") if r % 2 == 0 else ("lm-eval", "ours")):
-                if side == "ours":
-                    _, dt = ours(folder, f"gsm8k_cot={spath}", None, None, args.batch)
-                    t_ours.append(dt)
-                else:
-                    _, dt = lmeval(folder, "gsm8k/gsm8k-cot.yaml", spath, os.path.join(work, f"r{r}"), best, False,
-                                   None)
-                    t_ref.append(dt)
-                print(f"round {r} {side}: {dt:.1f} s", flush=True)
-        n = len(sdocs)
-        ours_rate, ref_rate = n / statistics.median(t_ours), n / statistics.median(t_ref)
-        print("speed", ours_rate, ref_rate, flush=True)
+        rows = []
+        for task in args.speed_tasks.split(","):
+            r = speed(folder, work, task, args)
+            rows.append(r)
+            print("speed", r, flush=True)
         out.append(f"""
-Speed on the first {n} gsm8k_cot items (whole call: model load, prompts, generation, scoring; median of
-{args.rounds} alternating rounds): ours {ours_rate:.2f} items/s (engine batch {args.batch}), lm-eval {ref_rate:.2f} items/s
-at its best batch size here ({best}; tried {args.lm_eval_batch}: {", ".join(f"{b}: {t:.0f} s" for b, t in tries.items())}):
-**{ours_rate / ref_rate:.2f}x**.
-""")
+Speed on the first {args.speed_items} items of each task (whole call: model load, prompts, generation,
+scoring; median of {args.rounds} alternating rounds; lm-eval at its best batch size here, each of
+{args.lm_eval_batch} tried once; ours at engine batch {args.batch}):
+
+| task | max new tokens | ours items/s | lm-eval items/s (batch) | ours / lm-eval | rows ending before the budget |
+|---|---|---|---|---|---|
+""" + "".join(f"| {r['task']} | {r['max_new']} | {r['ours']:.2f} | {r['ref']:.2f} ({r['best']}) | **{r['ours'] / r['ref']:.2f}x** "
+              f"| {r['ended']}/{r['items']} |\n" for r in rows))
     if "spec" in parts:
         spec = speculative(folder, args.draft_layers, args.spec_prompts, 48)
         print("speculative", spec, flush=True)

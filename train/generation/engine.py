@@ -8,7 +8,9 @@ Backends (`backend`):
   are watched on the streamed tokens here and the request is cancelled.
 - `padded`: transformers' `generate` on batches of prompts sorted by length, left-padded, with a static
   KV cache (preallocated: no copy of the growing cache at every step, as the default dynamic cache does)
-  and a stopping criterion per row (EOS ids and stop strings). When a batch's prompts share a prefix of
+  and a stopping criterion per row (EOS ids and stop strings). It decodes CHUNK steps per `generate`
+  call and continues from the cache; rows that ended leave the batch in between (their cache rows
+  dropped), so a few long answers do not keep a whole batch of finished rows computing. When a batch's prompts share a prefix of
   at least SHARED_PREFIX tokens (few-shot exemplars, a system prompt, an RL group's copies of one prompt),
   the prefix is run once and its keys/values copied into every row's cache; rows are laid out as
   [prefix][padding][rest of the prompt] (the attention mask and the positions skip the padding), and
@@ -35,6 +37,7 @@ from train.model.cpu_compat import suspended
 
 BACKENDS = ("auto", "continuous", "padded", "vllm")
 SHARED_PREFIX = 32  # tokens a batch's prompts must share before the padded backend runs the prefix once
+CHUNK = 32          # padded backend: decode steps between two looks at which rows ended (they leave the batch)
 
 
 @dataclass
@@ -81,6 +84,21 @@ class StopChecker:
                 return len(tokens)
         return None
 
+    def ended(self, generated: torch.Tensor, rows: list[int]) -> list[bool]:
+        """Whether each of `rows` of `generated` ([batch, tokens so far], at least one) ended at its last token:
+        `end` for a whole batch, its tails decoded in one call."""
+        last = generated[rows, -1].tolist()
+        done = [t in self.stop_ids for t in last]
+        if self.stops:
+            tails = generated[rows, -self.window:].tolist()
+            rust = getattr(self.tokenizer, "backend_tokenizer", None)
+            if rust is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+                tails = rust.decode_batch(tails, skip_special_tokens=False)  # (what decode returns, minus its overhead)
+            else:
+                tails = self.tokenizer.batch_decode(tails, skip_special_tokens=False)
+            done = [d or any(s in t for s in self.stops) for d, t in zip(done, tails, strict=True)]
+        return done
+
 
 class Engine:
     def __init__(self, model, tokenizer, eos_ids: list[int], *, backend: str = "auto", max_batch_size: int = 64):
@@ -119,55 +137,80 @@ class Engine:
         from transformers import GenerationConfig
 
         kw = dict(max_new_tokens=params.max_new_tokens, eos_token_id=sorted(
-            set(self.eos_ids) | set(params.stop_token_ids)) or None, pad_token_id=self._pad_id(), **extra)
+            set(self.eos_ids) | set(params.stop_token_ids)) or None, pad_token_id=self._pad_id())
         if params.temperature > 0:
             kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
                       top_k=params.top_k or None)
         else:
             kw.update(do_sample=False)
-        return GenerationConfig(**kw)
+        return GenerationConfig(**{**kw, **extra})
 
     def _padded(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
         out: list[Completion | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # as lm-eval: longest first
         for b, start in enumerate(range(0, len(order), self.max_batch_size)):
             rows = order[start:start + self.max_batch_size]
-            ids, mask, cache = self._batch_inputs([prompts[i] for i in rows], params.max_new_tokens)
-            width = ids.shape[1]
-            ends: list[int | None] = [None] * len(rows)
+            if params.temperature > 0:
+                torch.manual_seed(params.seed * 1_000_003 + b)
+            for i, c in zip(rows, self._padded_batch([prompts[i] for i in rows], params, checker), strict=True):
+                out[i] = c
+        return out
+
+    def _padded_batch(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
+        """One batch, decoded CHUNK steps at a time; after each chunk the rows that ended leave the batch (their
+        cache rows dropped), so a few long answers do not keep every finished row in the computation."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        ids, mask, cache = self._batch_inputs(prompts, params.max_new_tokens)
+        start = ids.shape[1]  # generated tokens begin here in every row
+        toks: list[list[int]] = [[] for _ in prompts]
+        lps: list[list[float]] = [[] for _ in prompts]
+        ended = [False] * len(prompts)
+        alive, left = list(range(len(prompts))), params.max_new_tokens
+        while alive and left > 0:
+            width, stop_at = ids.shape[1], {}  # alive position → tokens of this chunk it keeps
 
             class _Stop(StoppingCriteria):
                 def __call__(self, input_ids, scores, **kwargs):
-                    for r in range(len(rows)):
-                        if ends[r] is None:
-                            ends[r] = checker.end(input_ids[r, width:].tolist())
-                    return torch.tensor([e is not None for e in ends])
+                    n = input_ids.shape[1] - width
+                    open_rows = [j for j in range(len(alive)) if j not in stop_at]
+                    if open_rows and n > 0:
+                        for j, done in zip(open_rows, checker.ended(input_ids[:, start:], open_rows), strict=True):
+                            if done:
+                                stop_at[j] = n
+                    return torch.tensor([j in stop_at for j in range(len(alive))])
 
-            if params.temperature > 0:
-                torch.manual_seed(params.seed * 1_000_003 + b)
+            step = left if left <= CHUNK * 3 // 2 else CHUNK
+            gen = self._generation_config(params, max_new_tokens=step, return_dict_in_generate=True,
+                                          output_logits=params.logprobs)
             with torch.no_grad():
-                # a static KV cache (preallocated for prompt + max_new_tokens): no per-step copy of the growing cache
-                gen = self._generation_config(params, return_dict_in_generate=True, output_logits=params.logprobs,
-                                              **({} if cache is not None else {"cache_implementation": "static"}))
-                res = self.model.generate(ids, attention_mask=mask, generation_config=gen,
-                                          stopping_criteria=StoppingCriteriaList([_Stop()]),
-                                          **({"cache": cache} if cache is not None else {}))
-            seqs = res.sequences[:, width:]
-            for r, i in enumerate(rows):
-                toks = seqs[r].tolist()
-                keep = ends[r] if ends[r] is not None else len(toks)
-                lp = None
-                if params.logprobs:
-                    steps = torch.stack([lg[r] for lg in res.logits[:keep]]).float()
-                    lp = torch.log_softmax(steps / (params.temperature or 1.0), -1).gather(
-                        1, seqs[r, :keep, None]).squeeze(1).tolist()
-                out[i] = Completion(toks[:keep], "stop" if ends[r] is not None else "length", lp)
-        return out
+                res = self.model.generate(ids, attention_mask=mask, generation_config=gen, cache=cache,
+                                          stopping_criteria=StoppingCriteriaList([_Stop()]))
+            new = res.sequences[:, width:]
+            for j, r in enumerate(alive):
+                k = stop_at.get(j, new.shape[1])
+                toks[r] += new[j, :k].tolist()
+                ended[r] = j in stop_at
+                if params.logprobs and k:
+                    steps = torch.stack([lg[j] for lg in res.logits[:k]]).float()
+                    lps[r] += torch.log_softmax(steps / (params.temperature or 1.0), -1).gather(
+                        1, new[j, :k, None]).squeeze(1).tolist()
+            left -= new.shape[1]
+            keep = [j for j in range(len(alive)) if j not in stop_at]
+            if not keep or left <= 0:
+                break
+            mask = torch.cat([mask, torch.ones(mask.shape[0], new.shape[1], dtype=mask.dtype)], 1)
+            ids = res.sequences
+            if len(keep) < len(alive):
+                alive, ids, mask = [alive[j] for j in keep], ids[keep], mask[keep]
+                cache = _cache_rows(cache, keep, self.model.config)
+        return [Completion(toks[r], "stop" if ended[r] else "length", lps[r] if params.logprobs else None)
+                for r in range(len(prompts))]
 
     def _batch_inputs(self, prompts: list[list[int]], max_new_tokens: int):
-        """(input ids, attention mask, a static cache holding the shared prefix or None) of one padded batch."""
+        """(input ids, attention mask, the batch's static KV cache: empty, or holding the prompts' shared prefix)."""
+        from transformers import StaticCache
+
         pad = self._pad_id()
         shared = _common_prefix(prompts) if len(prompts) > 1 else 0
         shared = min(shared, min(map(len, prompts)) - 1)  # every row keeps a token for the first step's logits
@@ -175,9 +218,7 @@ class Engine:
             width = max(map(len, prompts))
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-            return ids, mask, None
-        from transformers import StaticCache
-
+            return ids, mask, StaticCache(config=self.model.config, max_cache_len=width + max_new_tokens)
         head, rest = prompts[0][:shared], [p[shared:] for p in prompts]
         w = max(map(len, rest))
         ids = torch.tensor([head + [pad] * (w - len(r)) + r for r in rest])
@@ -262,6 +303,17 @@ class Engine:
             return logits
         head.register_forward_hook(hook)
         head._smoltrain_vocab = n
+
+
+def _cache_rows(cache, rows: list[int], config):
+    """A static cache holding only `rows` of `cache` (their filled positions copied)."""
+    from transformers import StaticCache
+
+    n, idx = int(cache.get_seq_length()), torch.tensor(rows)
+    out = StaticCache(config=config, max_cache_len=cache.layers[0].max_cache_len)
+    for i, layer in enumerate(cache.layers):
+        out.update(layer.keys[idx, :, :n], layer.values[idx, :, :n], i)
+    return out
 
 
 def _common_prefix(seqs: list[list[int]]) -> int:
