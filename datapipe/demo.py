@@ -161,15 +161,15 @@ def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 20, ops: str = 
     return out
 
 
-def docstring_pairs(n: int) -> list[dict]:
-    """Relevance preference pairs from the standard library's docstrings (chat_docs' first `n` conversations):
-    the prompt asks what a function does, `chosen` is the first paragraph of its docstring, `rejected` the
-    answer about another function (picked by a hash of the id). For reward models: whether an answer is
-    about the question is learnable by a small model, unlike SciQ's facts. (The demo's SFT stage trains on
-    chat_docs(3000), so an SFT checkpoint has seen these answers, though never as a preference.)"""
+def docstring_pairs(n: int, skip: int = 0) -> list[dict]:
+    """Relevance preference pairs from the standard library's docstrings (chat_docs' conversations `skip` to
+    `skip + n`): the prompt asks what a function does, `chosen` is the first paragraph of its docstring,
+    `rejected` the answer about another function of the same slice (picked by a hash of the id). For reward
+    models: whether an answer is about the question is learnable by a small model, unlike SciQ's facts.
+    The demo's SFT stage trains on chat_docs(3000): with skip >= 3000 no answer was seen in SFT."""
     import zlib
 
-    docs = chat_docs(n)
+    docs = chat_docs(skip + n)[skip:]
     out = []
     for i, d in enumerate(docs):
         q = next(m["content"] for m in d["messages"] if m["role"] == "user")
