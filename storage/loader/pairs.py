@@ -178,24 +178,30 @@ class PairLoader(BackgroundBatches):
                 "epoch": self.consumed // self.pairs.n}
 
 
-def iter_pairs(dataset: str | Dataset, split: str = "train", verify: bool = True
+def iter_pairs(dataset: str | Dataset, split: str = "train", verify: bool = True, source: str | None = None
                ) -> Iterator[tuple[int, str, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Every pair of the preference sources of `split` ("train": the training shards, "validation": the
     held-out split) in dataset order, as (ordinal, pair_id, chosen_tokens, chosen_mask, rejected_tokens,
     rejected_mask): tokens int64, masks uint8 (1: the token carries loss), fresh arrays. For "train" the
-    ordinal is the one PairLoader puts in its batches; the validation split numbers its own pairs from 0."""
+    ordinal is the one PairLoader puts in its batches; the validation split numbers its own pairs from 0.
+    `source`: that source's pairs only (ordinals as in the whole split)."""
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     url = dataset.url if isinstance(dataset, Dataset) else dataset
     m = dataset.manifest if isinstance(dataset, Dataset) else read_manifest(url)
     sources = m.sources if split == "train" else m.validation
     ordinal = 0
-    for src in sources.values():
+    if source is not None and source not in sources:
+        raise ValueError(f"{url}: no source {source!r} in the {split} split; sources: {', '.join(sources)}")
+    for name, src in sources.items():
         if src.kind != "preference":
             continue
         docs = iter_documents(url, src.shards, verify=verify, with_mask=True)
         for c_id, c_tok, c_mask in docs:
             r_id, r_tok, r_mask = next(docs, (f"(none: {c_id!r} is the last document)", None, None))
+            if source is not None and name != source:
+                ordinal += 1
+                continue
             yield (ordinal, _pair_id(c_id, r_id, url), c_tok.astype(np.int64), np.array(c_mask, dtype=np.uint8),
                    r_tok.astype(np.int64), np.array(r_mask, dtype=np.uint8))
             ordinal += 1

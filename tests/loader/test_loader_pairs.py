@@ -85,6 +85,10 @@ def test_every_pair_once_per_epoch_adjacent_and_equal_to_iter_pairs(pref_ds):
     ref = list(iter_pairs(pref_ds))
     assert [p[0] for p in ref] == list(range(60))
     assert [p[1] for p in ref[:2]] == ["hh/0", "hh/1"] and ref[37][1] == "uf/0"
+    uf = list(iter_pairs(pref_ds, source="uf"))  # one source: its pairs, ordinals as in the whole split
+    assert [(p[0], p[1]) for p in uf] == [(p[0], p[1]) for p in ref[37:]] and (uf[5][2] == ref[42][2]).all()
+    with pytest.raises(ValueError, match="no source 'web2'"):
+        list(iter_pairs(pref_ds, source="web2"))
     ld = loader(pref_ds)
     assert ld.epoch_pairs == 60 and ld.rows_in_epochs(1.5) == 90 and ld.pairs.ids == [p[1] for p in ref]
     batches = [next(ld) for _ in range(15)]  # 120 pairs: two epochs, one batch across the boundary

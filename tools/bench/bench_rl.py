@@ -6,8 +6,9 @@
   on the same cores; steps timed per optimizer step after --skip warm-up steps, alternating rounds, median:
   samples (completions) per second. Ours also reports its step time split into generation, scoring and
   update, and the update's tokens/s against an SFT step of `train launch` on rows of the same shape.
-- Reward model: `objective: reward` from the SFT checkpoint on the demo's preference pairs (SciQ, a fifth
-  held out) for --rm-steps steps: held-out pair accuracy and its standard error.
+- Reward model: `objective: reward` from the SFT checkpoint on the demo's preference pairs (SciQ and
+  repetition pairs, a fifth held out) for --rm-steps steps: held-out pair accuracy and its standard error,
+  overall and per source.
 
     python tools/bench/bench_rl.py [--demo-out demo-out] [--steps 12] [--skip 2] [--rounds 2]
                                    [--rm-steps 60] [--append docs/benchmarks.md]
@@ -160,7 +161,7 @@ def reward_model(work: Path, prefs: Path, init: Path, steps: int) -> dict:
            "monitor": {"log_every": 10, "tensorboard": False}, "alerts": {"mfu_warn_below": 0.0},
            "checkpoint": {"full_every": 0, "incremental_every": 0}}
     ev = [r for r in _train(work, "rm", cfg, init) if r.get("kind") == "eval"][-1]
-    return {k.split("/")[1]: v for k, v in ev.items() if k.startswith("reward_val/")}
+    return {k.removeprefix("reward_val/"): v for k, v in ev.items() if k.startswith("reward_val/")}
 
 
 def main() -> None:
@@ -216,13 +217,20 @@ def main() -> None:
 
 **{ratio:.2f}x** TRL's samples/s. The update's tokens/s ({PROMPTS * G} rows x their width {mine['row_width']:.0f} / update
 time) {mine['update_tokens_per_s']:,.0f} vs an SFT step of `train launch` on {PROMPTS * G} packed rows of the same
-width {sft_rate['tokens_per_s']:,.0f}: {upd:.2f} of SFT's rate (the update also computes the entropy over the
-vocabulary and the per-token weights).
+width {sft_rate['tokens_per_s']:,.0f}: {upd:.2f} of SFT's rate (the update takes logits at the completion
+tokens only; it also computes their entropy and the per-token weights).
 
-Reward model (`objective: reward`, from the SFT checkpoint, {args.rm_steps} steps on the demo's SciQ pairs): held-out
-accuracy {rm.get('accuracy', float('nan')):.3f} ± {rm.get('accuracy_se', float('nan')):.3f} on {rm.get('pairs')} pairs
-({chance_sigmas:.1f} standard errors above chance).
+Reward model (`objective: reward`, from the SFT checkpoint, {args.rm_steps} steps on the demo's preference data: SciQ
+pairs and repetition pairs): held-out accuracy {rm.get('accuracy', float('nan')):.3f} ± {rm.get('accuracy_se', float('nan')):.3f}
+on {rm.get('pairs')} pairs ({chance_sigmas:.1f} standard errors above chance); per source: {_per_source(rm)}.
 """)
+
+
+def _per_source(rm: dict) -> str:
+    names = sorted({k.split("/")[0] for k in rm if k.count("/") == 1})
+    return "; ".join(f"{n} {rm[n + '/accuracy']:.3f} ± {rm[n + '/accuracy_se']:.3f} on {rm[n + '/pairs']} pairs "
+                     f"({(rm[n + '/accuracy'] - 0.5) / max(rm[n + '/accuracy_se'], 1e-9):.1f} SE)"
+                     for n in names) or "one source"
 
 
 if __name__ == "__main__":

@@ -91,19 +91,31 @@ class RewardModel(Objective):
         from storage.loader.pairs import iter_pairs
         from storage.manifest import read_manifest
 
-        if not read_manifest(self.cfg.data.dataset).validation:
+        held = read_manifest(self.cfg.data.dataset).validation
+        names = [name for name, src in held.items() if src.kind == "preference"]
+        if not names:
             return {}
-        r = torch.tensor(score_pairs(self.model, self.par, list(iter_pairs(self.cfg.data.dataset, "validation")),
+        per = {name: list(iter_pairs(self.cfg.data.dataset, "validation", source=name)) for name in names}
+        r = torch.tensor(score_pairs(self.model, self.par, [p for ps in per.values() for p in ps],
                                      self.cfg.data.seq_len), dtype=torch.float64)
         chosen, rejected = r[0::2], r[1::2]
-        acc = (chosen > rejected).double()
-        n = len(acc)
-        out = {"reward_val/accuracy": float(acc.mean()), "reward_val/accuracy_se": math.sqrt(float(acc.mean()) *
-               (1 - float(acc.mean())) / max(n, 1)), "reward_val/margin": float((chosen - rejected).mean()),
-               "reward_val/loss": float(reward_model_loss(chosen, rejected).mean()), "reward_val/pairs": n}
+        out = _accuracy("reward_val/", chosen, rejected)
+        out["reward_val/loss"] = float(reward_model_loss(chosen, rejected).mean())
+        if len(names) > 1:  # and per source: a preference can be learnable in one source and not another
+            start = 0
+            for name, ps in per.items():
+                out |= _accuracy(f"reward_val/{name}/", chosen[start:start + len(ps)], rejected[start:start + len(ps)])
+                start += len(ps)
         box = [out]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+def _accuracy(prefix: str, chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
+    """Pair accuracy, its standard error, mean margin and count, keys under `prefix`."""
+    acc, n = float((chosen > rejected).double().mean()) if len(chosen) else 0.0, len(chosen)
+    return {f"{prefix}accuracy": acc, f"{prefix}accuracy_se": math.sqrt(acc * (1 - acc) / max(n, 1)),
+            f"{prefix}margin": float((chosen - rejected).mean()) if n else 0.0, f"{prefix}pairs": n}
 
 
 def score_pairs(chunks: list, par, pairs: list, seq_len: int) -> list[float]:
