@@ -18,7 +18,7 @@ N_NEW = 20
 
 @pytest.fixture(scope="module")
 def setup(tiny_hf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = tiny_hf[0]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -26,17 +26,21 @@ def setup(tiny_hf):
     stream = tok(" ".join(d["text"] for d in read_corpus("fortunes", 200)), add_special_tokens=False)["input_ids"]
     prompts = [stream[i * 37: i * 37 + 1 + (i * 23) % 70] for i in range(36)]  # 36 lengths, 1 to 70 tokens
     eos = [tok.eos_token_id]
-    ref = []
-    padding_rows = list(range(len(tok), model.config.vocab_size))  # never generated (the engine's rule)
-    assert padding_rows
-    for ids in prompts:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(
-                max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
-                suppress_tokens=padding_rows))
-        ref.append(out[0, len(ids):].tolist())
+    assert model.config.vocab_size > len(tok)  # padding rows, never generated (the engine's rule)
+    ref = [greedy_one(model, tok, eos, ids, N_NEW) for ids in prompts]
     return model, tok, prompts, ref, eos
+
+
+def greedy_one(model, tok, eos: list[int], ids: list[int], n_new: int) -> list[int]:
+    """transformers' greedy `generate` at batch size 1, vocabulary padding rows suppressed: the reference."""
+    from transformers import GenerationConfig
+
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(
+            max_new_tokens=n_new, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+            suppress_tokens=list(range(len(tok), model.config.vocab_size))))
+    return out[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("backend", ["padded", "continuous"])
@@ -100,21 +104,13 @@ def test_sampling_repeats_with_its_seed_and_returns_the_models_log_probs(setup):
 def test_rows_that_end_leave_the_batch_and_change_nothing(setup, monkeypatch):
     """Decoded in chunks of 8 steps, rows that ended (a stop token) leave the batch between chunks: every row's
     greedy output is still its batch-size-1 output cut at the stop token, and rows did end at different chunks."""
-    from transformers import GenerationConfig
 
     from train.generation import engine as E
 
     model, tok, prompts, _, eos = setup
     monkeypatch.setattr(E, "CHUNK", 8)
     n_new, chosen = 40, prompts[:16]
-    free = []
-    for ids in chosen:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(
-                max_new_tokens=n_new, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
-                suppress_tokens=list(range(len(tok), model.config.vocab_size))))
-        free.append(out[0, len(ids):].tolist())
+    free = [greedy_one(model, tok, eos, ids, n_new) for ids in chosen]
     counts: dict[int, int] = {}
     for r in free:
         for t in set(r[:20]):
@@ -133,21 +129,13 @@ def test_a_shared_prefix_is_run_once_and_changes_nothing(setup):
     """Prompts sharing a long prefix (few-shot exemplars): the padded backend runs it once into a cache laid
     out [prefix][padding][rest]; greedy output still equals generate at batch size 1, and sampled log-probs
     are still the model's."""
-    from transformers import GenerationConfig
 
     from train.generation.engine import SHARED_PREFIX, Engine, SamplingParams
 
     model, tok, prompts, _, eos = setup
     head = [t for p in prompts[20:] for t in p][:SHARED_PREFIX + 9]
     shared = [head + prompts[i][:1 + i % 11] for i in range(12)]  # rests of 1 to 11 tokens
-    ref = []
-    for ids in shared:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(
-                max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
-                suppress_tokens=list(range(len(tok), model.config.vocab_size))))
-        ref.append(out[0, len(ids):].tolist())
+    ref = [greedy_one(model, tok, eos, ids, N_NEW) for ids in shared]
     eng = Engine(model, tok, eos, backend="padded", max_batch_size=8)
     ids, mask, cache = eng._batch_inputs(shared[:8], N_NEW)
     assert cache is not None and cache.get_seq_length() == len(head) and mask[:, :len(head)].all()

