@@ -1,4 +1,5 @@
-"""train.model.cpu_compat: CUDA→CPU mapping, type strings, stubs, and the CPU RNG tracker's seed offsets."""
+"""train.model.cpu_compat: CUDA→CPU mapping, type strings, stubs, the CPU RNG tracker's seed offsets, and
+suspending the mode for a block."""
 import pytest
 import torch
 
@@ -25,6 +26,21 @@ def test_install_is_idempotent_and_reversible():
     assert not cpu_compat.active()
     with pytest.raises((RuntimeError, AssertionError)):
         torch.empty(1, device="cuda")
+
+
+def test_suspended_turns_the_mode_off_for_a_block_and_back_on(compat):
+    """Generation in a trainer's process runs inside `suspended()`: no CUDA mapping (and no per-op Python
+    call) there, the mode back on after, and a no-op where the mode is not on."""
+    assert torch.empty(1, device="cuda").device.type == "cpu"
+    with compat.suspended():
+        assert not torch.overrides._get_current_function_mode_stack()
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.empty(1, device="cuda")
+    assert compat.active() and torch.empty(1, device="cuda").device.type == "cpu"
+    compat.uninstall()
+    with compat.suspended():  # nothing to suspend
+        assert not torch.overrides._get_current_function_mode_stack()
+    compat.install()
 
 
 def test_cuda_devices_map_to_cpu(compat):
