@@ -10,15 +10,15 @@ Backends (`backend`):
   KV cache (preallocated: no copy of the growing cache at every step, as the default dynamic cache does)
   and a stopping criterion per row (EOS ids and stop strings). It decodes CHUNK steps per `generate`
   call and continues from the cache; rows that ended leave the batch in between (their cache rows
-  dropped), so a few long answers do not keep a whole batch of finished rows computing. When a batch's prompts share a prefix of
-  at least SHARED_PREFIX tokens (few-shot exemplars, a system prompt, an RL group's copies of one prompt),
-  the prefix is run once and its keys/values copied into every row's cache; rows are laid out as
-  [prefix][padding][rest of the prompt] (the attention mask and the positions skip the padding), and
-  `generate` runs on from the filled cache (transformers' prefix-cache reuse).
+  dropped), so a few long answers do not keep a whole batch of finished rows computing. When a batch's
+  prompts share a prefix of at least SHARED_PREFIX tokens (few-shot exemplars, a system prompt, an RL
+  group's copies of one prompt), the prefix is run once and its keys/values copied into every row's
+  cache; rows are laid out as [prefix][padding][rest of the prompt] (the attention mask and the positions
+  skip the padding), and `generate` runs on from the filled cache (transformers' prefix-cache reuse).
 - `vllm`: vLLM's `LLM` on a GPU, its weights handed over from ours (`load_weights`), never downloaded.
 `auto` picks vLLM when it is installed and a GPU is present, else `continuous` on a GPU when the installed
-transformers has it, else `padded`: on CPU, transformers' paged attention made continuous batching 2.8x
-slower than padded batches of 16 (32 prompts, 48 new tokens, the demo model; docs/benchmarks.md).
+transformers has it, else `padded`: on CPU, transformers' paged attention made continuous batching 8x
+slower than a padded batch of 32 (32 prompts, 48 new tokens, the demo model; docs/benchmarks.md).
 
 Semantics shared by every backend: a sequence ends at one of `eos_ids` / `stop_token_ids` (kept as its
 last token) or once its decoded text (special tokens kept, as lm-eval's stopping criterion decodes it)
