@@ -144,9 +144,12 @@ def test_held_out_pair_metrics_equal_transformers_on_the_export(setup, pre):
 
 def test_kill_9_resumes_bit_identically(setup, pre):
     tmp, ds, ref, log = setup["tmp"], setup["ds"], setup["ref"], setup["log"]
-    metrics = tmp / "killed" / "metrics.jsonl"
-    done = lambda: metrics.exists() and any(r["step"] >= 7 for r in metric_records(tmp / "killed"))  # noqa: E731
+    metrics, latest = tmp / "killed" / "metrics.jsonl", tmp / "killed" / "checkpoints" / "latest"
+    # killed once step 7 is logged and a checkpoint has committed (async: its commit can lag under load)
+    done = lambda: metrics.exists() and latest.exists() and any(  # noqa: E731
+        r["step"] >= 7 for r in metric_records(tmp / "killed"))
     _train(tmp, "killed", ds, log, "--init", str(ref), kill_when=done, **APO)
     _train(tmp, "killed", ds, log, "--init", str(ref), **APO)
+    assert any(json.loads(x).get("event") == "resume" for x in metrics.read_text().splitlines())  # it resumed
     assert _trace(tmp / "killed") == _trace(pre)
     assert differences(tree(str(pre), TRAIN_VOLATILE), tree(str(tmp / "killed"), TRAIN_VOLATILE)) == []

@@ -95,7 +95,11 @@ def test_epochs_set_steps_and_kill_9_resumes_bit_identically(tmp_path, docs):
 
     run = _config(tmp_path, "killed", docs, **over)
     done = lambda: any(r["step"] >= 5 for r in metric_records(tmp_path / "killed"))  # noqa: E731
-    assert _run(run, log, kill_when=lambda: (tmp_path / "killed" / "metrics.jsonl").exists() and done()) == "killed"
+    # killed once step 5 is logged and a checkpoint has committed (async: under load the commit of step 3 can
+    # lag behind step 5, and a kill before it would leave nothing to resume from)
+    latest = tmp_path / "killed" / "checkpoints" / "latest"
+    assert _run(run, log, kill_when=lambda: (tmp_path / "killed" / "metrics.jsonl").exists() and latest.exists()
+                and done()) == "killed"
     assert _run(run, log) == 0, log.read_text()[-4000:]
     got = {r["step"]: (r["loss"], r["grad_norm"]) for r in metric_records(tmp_path / "killed")}
     assert got == trace  # bit-identical
