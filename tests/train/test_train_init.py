@@ -35,9 +35,9 @@ def _config(tmp_path, run_dir, model, **over) -> str:
     return str(path)
 
 
-def _launch(args, log):
+def _launch(args, log, env=None):
     rc = run_killable([TRAIN, "launch", *args, "--set", f"launch.rdzv_endpoint=127.0.0.1:{free_port()}"], log,
-                      timeout=300)
+                      timeout=300, env=env)
     assert rc == 0, open(log).read()[-5000:]
 
 
@@ -131,8 +131,10 @@ def test_init_from_tp2_checkpoint_at_tp1_then_resume_wins(tmp_path):
     from train.checkpoint.export_hf import load_model_tensors
 
     src = tmp_path / "src"
+    # rank 1 lags after each save's gather, so rank 0 commits (renames the folder) first: the save must not
+    # read the temporary folder after that point (a race seen under load in CI)
     _launch([_config(tmp_path, src, MODEL, parallel={"tp": 2, "micro_batch_size": 2, "global_batch_size": 2}),
-             "--nproc", "2"], tmp_path / "src.log")
+             "--nproc", "2"], tmp_path / "src.log", env={"SMOLTRAIN_CKPT_LAG_S": "1.5"})
     src_ckpt = src / "checkpoints" / "step_00000002"
     assert json.loads((src_ckpt / "manifest.json").read_text())["layout"]["tp"] == 2
 

@@ -42,6 +42,7 @@ from train.state import TrainState
 
 log = logging.getLogger("train.checkpoint")
 FAIL_ENV = "SMOLTRAIN_CKPT_FAIL_WRITE_AT_STEP"  # fault injection for tests: the write of that step raises
+LAG_ENV = "SMOLTRAIN_CKPT_LAG_S"  # fault injection for tests: ranks > 0 sleep this long after a save's gather
 
 
 def rank_world() -> tuple[int, int]:
@@ -276,19 +277,23 @@ class Saver:
                 shutil.rmtree(p.tmp, ignore_errors=True)
             p.info["ok"] = False
             return p
+        # Map this rank's tensor file before the gather below: once every rank has passed it, rank 0 may
+        # commit (rename the folder) while a slower rank would still be opening the old path.
+        if isinstance(p.strategy, RawSaveStrategy):
+            p.new_base = raw_snapshot(p.tmp, self.rank)
         stats = getattr(p.strategy, "stats", None) or {"written": p.info["full_bytes"], "full": p.info["full_bytes"]}
         gathered = [stats]
         if self.world > 1:
             gathered = [None] * self.world
             dist.all_gather_object(gathered, stats)
+            if self.rank > 0 and os.environ.get(LAG_ENV):
+                time.sleep(float(os.environ[LAG_ENV]))  # a slow rank: rank 0 commits meanwhile
         info = {"layout": state_io.layout(), "meta": self.meta, "stall_s": round(p.stall_s, 4),
                 "tensor_bytes": {"written": sum(s.get("written", 0) for s in gathered),
                                  "full": sum(s.get("full", 0) for s in gathered)}}
         hashed = {rel: v for s in gathered for rel, v in s.get("files", {}).items()}  # hashed while written
         if isinstance(p.strategy, RawSaveStrategy):  # raw full save: tensor bytes and the slowest rank's write
             self.last_tensor_write = (sum(s["written"] for s in gathered), max(s["write_s"] for s in gathered))
-        if isinstance(p.strategy, RawSaveStrategy):
-            p.new_base = raw_snapshot(p.tmp, self.rank)
         p.info["ok"] = True
         if self.rank == 0:
             self._commits.append(self._committer.submit(self._commit, p, info, hashed))
