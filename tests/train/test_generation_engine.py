@@ -138,7 +138,9 @@ def test_a_shared_prefix_is_run_once_and_changes_nothing(setup):
     ref = [greedy_one(model, tok, eos, ids, N_NEW) for ids in shared]
     eng = Engine(model, tok, eos, backend="padded", max_batch_size=8)
     ids, mask, cache = eng._batch_inputs(shared[:8], N_NEW)
-    assert cache is not None and cache.get_seq_length() == len(head) and mask[:, :len(head)].all()
+    # the cache holds every row's prompt but its last token; the prefix columns are the same in every row
+    assert cache.get_seq_length() == ids.shape[1] - 1 and mask[:, :len(head)].all()
+    assert (ids[:, :len(head)] == torch.tensor(head)).all()
     assert [c[0].token_ids for c in eng.generate(shared, SamplingParams(max_new_tokens=N_NEW))] == ref
     s = eng.generate(shared[3:4] * 2, SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, logprobs=True))[0][0]
     x = torch.tensor([shared[3] + s.token_ids])

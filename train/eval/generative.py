@@ -183,20 +183,19 @@ class GenerativeTask:
         self.task.apply_filters()
         per_metric: dict[str, list] = {}
         items = []
-        for inst, text in zip(self.instances, texts, strict=True):
-            with _compiled_once():
-                target = self.task.doc_to_target(inst.doc)
-            rec = {"doc_id": inst.doc_id, "generation": text, "target": target}
-            for key, resp in inst.filtered_resps.items():
-                res = _seeded(f"{self.name}:{inst.doc_id}", self.task.process_results, inst.doc, [resp])
-                suffix = "" if key == "none" else f",{key}"
-                if key != "none":
-                    rec[f"filtered,{key}"] = resp
-                for m, v in res.items():
-                    v = bool(v) if isinstance(v, bool) else (v if isinstance(v, list) else float(v))
-                    per_metric.setdefault(m + suffix, []).append(v)
-                    rec[m + suffix] = v
-            items.append(rec)
+        with _compiled_once():
+            for inst, text in zip(self.instances, texts, strict=True):
+                rec = {"doc_id": inst.doc_id, "generation": text, "target": self.task.doc_to_target(inst.doc)}
+                for key, resp in inst.filtered_resps.items():
+                    res = _seeded(f"{self.name}:{inst.doc_id}", self.task.process_results, inst.doc, [resp])
+                    suffix = "" if key == "none" else f",{key}"
+                    if key != "none":
+                        rec[f"filtered,{key}"] = resp
+                    for m, v in res.items():
+                        v = bool(v) if isinstance(v, bool) else (v if isinstance(v, list) else float(v))
+                        per_metric.setdefault(m + suffix, []).append(v)
+                        rec[m + suffix] = v
+                items.append(rec)
         agg = self.task.aggregation()
         metrics = {k: float(agg[k.split(",")[0]](v)) for k, v in per_metric.items()}
         flat = {f"eval/{self.name}/{k.replace(',', '/')}": v for k, v in metrics.items()}
@@ -204,16 +203,23 @@ class GenerativeTask:
                       "max_new_tokens": self.max_new_tokens, "until": self.until, "items": items}
 
 
+@functools.lru_cache(maxsize=512)
+def _compile(template: str):
+    from lm_eval import utils
+
+    return utils.env.from_string(template)
+
+
 @contextlib.contextmanager
 def _compiled_once():
     """lm-eval's Jinja templates (doc_to_text, doc_to_target, ...) compiled once per template string instead of
     once per call (`lm_eval.utils.apply_template` compiles on every call: ~20 compilations per GSM8K doc
-    with its 8 exemplars, most of the time spent building requests). Same text out; restored after."""
+    with its 8 exemplars, most of the time spent building requests), for the life of the process (the
+    scoring of every item reuses them). Same text out; restored after."""
     from lm_eval import utils
 
     plain = utils.apply_template
-    compiled = functools.lru_cache(maxsize=512)(utils.env.from_string)
-    utils.apply_template = lambda template, doc: compiled(template).render(**doc)
+    utils.apply_template = lambda template, doc: _compile(template).render(**doc)
     try:
         yield
     finally:

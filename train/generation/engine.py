@@ -28,6 +28,7 @@ transformers' `generate` at batch size 1 on the same weights (tests/train/test_g
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -208,26 +209,59 @@ class Engine:
                 for r in range(len(prompts))]
 
     def _batch_inputs(self, prompts: list[list[int]], max_new_tokens: int):
-        """(input ids, attention mask, the batch's static KV cache: empty, or holding the prompts' shared prefix)."""
-        from transformers import StaticCache
+        """(input ids, attention mask, the batch's static KV cache holding every row's prompt but its last token).
+
+        Rows are laid out [shared prefix][padding][rest of the prompt]. The cache is filled by causal forwards
+        without padding or masks: the shared prefix once (when the prompts share at least SHARED_PREFIX
+        tokens), then the rows of each rest length together on top of it; `generate` then starts at every
+        row's last token. A padded prefill instead attends every query to the whole static cache (prompt and
+        decode room) under a materialized mask: ~3x the attention of a causal one on 8-shot GSM8K."""
+        from transformers import DynamicCache
 
         pad = self._pad_id()
         shared = _common_prefix(prompts) if len(prompts) > 1 else 0
         shared = min(shared, min(map(len, prompts)) - 1)  # every row keeps a token for the first step's logits
-        if shared < SHARED_PREFIX:
-            width = max(map(len, prompts))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-            return ids, mask, StaticCache(config=self.model.config, max_cache_len=width + max_new_tokens)
+        shared = shared if shared >= SHARED_PREFIX else 0
         head, rest = prompts[0][:shared], [p[shared:] for p in prompts]
         w = max(map(len, rest))
         ids = torch.tensor([head + [pad] * (w - len(r)) + r for r in rest])
         mask = torch.tensor([[1] * shared + [0] * (w - len(r)) + [1] * len(r) for r in rest])
+        cache = _static_cache(self.model.config, shared + w + max_new_tokens)
+        filled = shared + w - 1  # cache positions before the last column
+        if filled == 0:
+            return ids, mask, cache
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: keys, values [rows, heads, filled, dim]
+
+        def place(rows, layers, at: int, src: int) -> None:
+            for i, layer in enumerate(layers):
+                if len(kv) <= i:
+                    shape = (len(prompts), layer.keys.shape[1], filled, layer.keys.shape[3])
+                    kv.append((layer.keys.new_zeros(shape), layer.values.new_zeros(shape)))
+                m = layer.keys.shape[2] - src
+                kv[i][0][rows, :, at:at + m] = layer.keys[:, :, src:]
+                kv[i][1][rows, :, at:at + m] = layer.values[:, :, src:]
+
         with torch.no_grad():
-            pre = self.model(torch.tensor([head]), use_cache=True, logits_to_keep=1).cache
-        cache = StaticCache(config=self.model.config, max_cache_len=shared + w + max_new_tokens)
-        for i, layer in enumerate(pre.layers):
-            cache.update(layer.keys.expand(len(prompts), -1, -1, -1), layer.values.expand(len(prompts), -1, -1, -1), i)
+            pre = self.model(torch.tensor([head]), use_cache=True, logits_to_keep=1).cache if shared else None
+            if pre is not None:
+                place(slice(None), pre.layers, 0, 0)
+            by_len: dict[int, list[int]] = {}
+            for i, r in enumerate(rest):
+                by_len.setdefault(len(r) - 1, []).append(i)
+            for n, rows in by_len.items():
+                if n == 0:
+                    continue
+                past = None
+                if pre is not None:
+                    past = DynamicCache(config=self.model.config)
+                    for i, layer in enumerate(pre.layers):
+                        past.update(layer.keys.expand(len(rows), -1, -1, -1).contiguous(),
+                                    layer.values.expand(len(rows), -1, -1, -1).contiguous(), i)
+                out = self.model(torch.tensor([rest[i][:-1] for i in rows]), cache=past, use_cache=True,
+                                 logits_to_keep=1)
+                place(rows, out.cache.layers, filled - n, shared)
+        for i, (k, v) in enumerate(kv):
+            cache.update(k, v, i)
         return ids, mask, cache
 
     def _continuous(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
@@ -305,12 +339,44 @@ class Engine:
         head._smoltrain_vocab = n
 
 
+def _static_cache(config, max_cache_len: int):
+    """transformers' StaticCache (preallocated, written in place) whose attention layers hand attention only their
+    filled positions (`_filled_layer_class`)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    filled = _filled_layer_class()
+    cache.layers = [filled(max_cache_len) if type(layer) is StaticLayer else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _filled_layer_class():
+    """A StaticLayer that returns (and sizes the attention mask to) its filled positions, not all max_cache_len:
+    decode attention reads no empty slots, and rows without padding need no mask at all (transformers then
+    drops it), where the plain static layer masks the empty slots at every step (~1.6 ms of `where` per
+    decode step of the demo model at batch 32). Not compileable: its shapes grow."""
+    from transformers.cache_utils import StaticLayer
+
+    class FilledLayer(StaticLayer):
+        is_compileable = False
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            n = int(self.cumulative_length)
+            return keys[:, :, :n], values[:, :, :n]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return int(self.get_seq_length()) + query_length, 0
+
+    return FilledLayer
+
+
 def _cache_rows(cache, rows: list[int], config):
     """A static cache holding only `rows` of `cache` (their filled positions copied)."""
-    from transformers import StaticCache
-
     n, idx = int(cache.get_seq_length()), torch.tensor(rows)
-    out = StaticCache(config=config, max_cache_len=cache.layers[0].max_cache_len)
+    out = _static_cache(config, cache.layers[0].max_cache_len)
     for i, layer in enumerate(cache.layers):
         out.update(layer.keys[idx, :, :n], layer.values[idx, :, :n], i)
     return out
