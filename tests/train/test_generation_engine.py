@@ -130,17 +130,16 @@ def test_a_shared_prefix_is_run_once_and_changes_nothing(setup):
     out [prefix][padding][rest]; greedy output still equals generate at batch size 1, and sampled log-probs
     are still the model's."""
 
-    from train.generation.engine import SHARED_PREFIX, Engine, SamplingParams
+    from train.generation.engine import Engine, SamplingParams
+    from train.generation.kv_cache import SHARED_PREFIX, prefilled_cache
 
     model, tok, prompts, _, eos = setup
     head = [t for p in prompts[20:] for t in p][:SHARED_PREFIX + 9]
     shared = [head + prompts[i][:1 + i % 11] for i in range(12)]  # rests of 1 to 11 tokens
     ref = [greedy_one(model, tok, eos, ids, N_NEW) for ids in shared]
     eng = Engine(model, tok, eos, backend="padded", max_batch_size=8)
-    ids, mask, cache = eng._batch_inputs(shared[:8], N_NEW)
-    # the cache holds every row's prompt but its last token; the prefix columns are the same in every row
-    assert cache.get_seq_length() == ids.shape[1] - 1 and mask[:, :len(head)].all()
-    assert (ids[:, :len(head)] == torch.tensor(head)).all()
+    ids, mask, cache = prefilled_cache(model, shared[:8], N_NEW, eng._pad_id())
+    assert cache.get_seq_length() == len(head) and mask[:, :len(head)].all()
     assert [c[0].token_ids for c in eng.generate(shared, SamplingParams(max_new_tokens=N_NEW))] == ref
     s = eng.generate(shared[3:4] * 2, SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, logprobs=True))[0][0]
     x = torch.tensor([shared[3] + s.token_ids])

@@ -8,13 +8,16 @@ Backends (`backend`):
   are watched on the streamed tokens here and the request is cancelled.
 - `padded`: transformers' `generate` on batches of prompts sorted by length, left-padded, with a static
   KV cache (preallocated: no copy of the growing cache at every step, as the default dynamic cache does)
-  and a stopping criterion per row (EOS ids and stop strings). It decodes CHUNK steps per `generate`
-  call and continues from the cache; rows that ended leave the batch in between (their cache rows
-  dropped), so a few long answers do not keep a whole batch of finished rows computing. When a batch's
-  prompts share a prefix of at least SHARED_PREFIX tokens (few-shot exemplars, a system prompt, an RL
-  group's copies of one prompt), the prefix is run once and its keys/values copied into every row's
-  cache; rows are laid out as [prefix][padding][rest of the prompt] (the attention mask and the positions
-  skip the padding), and `generate` runs on from the filled cache (transformers' prefix-cache reuse).
+  whose layers give attention only their filled positions (no mask at all for unpadded rows), and a
+  stopping criterion per row (EOS ids and stop strings). The prompts are prefilled into that cache by
+  causal forwards without padding, the rows of each length together, and `generate` starts at their last
+  token. It decodes CHUNK steps per `generate` call and continues from the cache; rows that ended leave
+  the batch in between (their cache rows dropped), so a few long answers do not keep a whole batch of
+  finished rows computing (the cache: `train.generation.kv_cache`). When a batch's prompts share a prefix of
+  at least SHARED_PREFIX tokens
+  (few-shot exemplars, a system prompt, an RL group's copies of one prompt), the prefix is run once and
+  the rest of each prompt on top of it; rows are laid out as [prefix][padding][rest of the prompt] (the
+  attention mask and the positions skip the padding).
 - `vllm`: vLLM's `LLM` on a GPU, its weights handed over from ours (`load_weights`), never downloaded.
 `auto` picks vLLM when it is installed and a GPU is present, else `continuous` on a GPU when the installed
 transformers has it, else `padded`: on CPU, transformers' paged attention made continuous batching 8x
@@ -28,16 +31,15 @@ transformers' `generate` at batch size 1 on the same weights (tests/train/test_g
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 
+from train.generation.kv_cache import keep_rows, prefilled_cache
 from train.model.cpu_compat import suspended
 
 BACKENDS = ("auto", "continuous", "padded", "vllm")
-SHARED_PREFIX = 32  # tokens a batch's prompts must share before the padded backend runs the prefix once
 CHUNK = 32          # padded backend: decode steps between two looks at which rows ended (they leave the batch)
 
 
@@ -162,7 +164,7 @@ class Engine:
         cache rows dropped), so a few long answers do not keep every finished row in the computation."""
         from transformers import StoppingCriteria, StoppingCriteriaList
 
-        ids, mask, cache = self._batch_inputs(prompts, params.max_new_tokens)
+        ids, mask, cache = prefilled_cache(self.model, prompts, params.max_new_tokens, self._pad_id())
         start = ids.shape[1]  # generated tokens begin here in every row
         toks: list[list[int]] = [[] for _ in prompts]
         lps: list[list[float]] = [[] for _ in prompts]
@@ -204,65 +206,9 @@ class Engine:
             ids = res.sequences
             if len(keep) < len(alive):
                 alive, ids, mask = [alive[j] for j in keep], ids[keep], mask[keep]
-                cache = _cache_rows(cache, keep, self.model.config)
+                cache = keep_rows(cache, keep, self.model.config)
         return [Completion(toks[r], "stop" if ended[r] else "length", lps[r] if params.logprobs else None)
                 for r in range(len(prompts))]
-
-    def _batch_inputs(self, prompts: list[list[int]], max_new_tokens: int):
-        """(input ids, attention mask, the batch's static KV cache holding every row's prompt but its last token).
-
-        Rows are laid out [shared prefix][padding][rest of the prompt]. The cache is filled by causal forwards
-        without padding or masks: the shared prefix once (when the prompts share at least SHARED_PREFIX
-        tokens), then the rows of each rest length together on top of it; `generate` then starts at every
-        row's last token. A padded prefill instead attends every query to the whole static cache (prompt and
-        decode room) under a materialized mask: ~3x the attention of a causal one on 8-shot GSM8K."""
-        from transformers import DynamicCache
-
-        pad = self._pad_id()
-        shared = _common_prefix(prompts) if len(prompts) > 1 else 0
-        shared = min(shared, min(map(len, prompts)) - 1)  # every row keeps a token for the first step's logits
-        shared = shared if shared >= SHARED_PREFIX else 0
-        head, rest = prompts[0][:shared], [p[shared:] for p in prompts]
-        w = max(map(len, rest))
-        ids = torch.tensor([head + [pad] * (w - len(r)) + r for r in rest])
-        mask = torch.tensor([[1] * shared + [0] * (w - len(r)) + [1] * len(r) for r in rest])
-        cache = _static_cache(self.model.config, shared + w + max_new_tokens)
-        filled = shared + w - 1  # cache positions before the last column
-        if filled == 0:
-            return ids, mask, cache
-        kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: keys, values [rows, heads, filled, dim]
-
-        def place(rows, layers, at: int, src: int) -> None:
-            for i, layer in enumerate(layers):
-                if len(kv) <= i:
-                    shape = (len(prompts), layer.keys.shape[1], filled, layer.keys.shape[3])
-                    kv.append((layer.keys.new_zeros(shape), layer.values.new_zeros(shape)))
-                m = layer.keys.shape[2] - src
-                kv[i][0][rows, :, at:at + m] = layer.keys[:, :, src:]
-                kv[i][1][rows, :, at:at + m] = layer.values[:, :, src:]
-
-        with torch.no_grad():
-            pre = self.model(torch.tensor([head]), use_cache=True, logits_to_keep=1).cache if shared else None
-            if pre is not None:
-                place(slice(None), pre.layers, 0, 0)
-            by_len: dict[int, list[int]] = {}
-            for i, r in enumerate(rest):
-                by_len.setdefault(len(r) - 1, []).append(i)
-            for n, rows in by_len.items():
-                if n == 0:
-                    continue
-                past = None
-                if pre is not None:
-                    past = DynamicCache(config=self.model.config)
-                    for i, layer in enumerate(pre.layers):
-                        past.update(layer.keys.expand(len(rows), -1, -1, -1).contiguous(),
-                                    layer.values.expand(len(rows), -1, -1, -1).contiguous(), i)
-                out = self.model(torch.tensor([rest[i][:-1] for i in rows]), cache=past, use_cache=True,
-                                 logits_to_keep=1)
-                place(rows, out.cache.layers, filled - n, shared)
-        for i, (k, v) in enumerate(kv):
-            cache.update(k, v, i)
-        return ids, mask, cache
 
     def _continuous(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
         from transformers import ContinuousBatchingConfig
@@ -337,59 +283,6 @@ class Engine:
             return logits
         head.register_forward_hook(hook)
         head._smoltrain_vocab = n
-
-
-def _static_cache(config, max_cache_len: int):
-    """transformers' StaticCache (preallocated, written in place) whose attention layers hand attention only their
-    filled positions (`_filled_layer_class`)."""
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
-
-    cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    filled = _filled_layer_class()
-    cache.layers = [filled(max_cache_len) if type(layer) is StaticLayer else layer for layer in cache.layers]
-    return cache
-
-
-@functools.cache
-def _filled_layer_class():
-    """A StaticLayer that returns (and sizes the attention mask to) its filled positions, not all max_cache_len:
-    decode attention reads no empty slots, and rows without padding need no mask at all (transformers then
-    drops it), where the plain static layer masks the empty slots at every step (~1.6 ms of `where` per
-    decode step of the demo model at batch 32). Not compileable: its shapes grow."""
-    from transformers.cache_utils import StaticLayer
-
-    class FilledLayer(StaticLayer):
-        is_compileable = False
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            keys, values = super().update(key_states, value_states, *args, **kwargs)
-            n = int(self.cumulative_length)
-            return keys[:, :, :n], values[:, :, :n]
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return int(self.get_seq_length()) + query_length, 0
-
-    return FilledLayer
-
-
-def _cache_rows(cache, rows: list[int], config):
-    """A static cache holding only `rows` of `cache` (their filled positions copied)."""
-    n, idx = int(cache.get_seq_length()), torch.tensor(rows)
-    out = _static_cache(config, cache.layers[0].max_cache_len)
-    for i, layer in enumerate(cache.layers):
-        out.update(layer.keys[idx, :, :n], layer.values[idx, :, :n], i)
-    return out
-
-
-def _common_prefix(seqs: list[list[int]]) -> int:
-    """Length of the longest prefix all of `seqs` share."""
-    first, n = seqs[0], min(map(len, seqs))
-    for k in range(n):
-        t = first[k]
-        if any(s[k] != t for s in seqs):
-            return k
-    return n
 
 
 def resolve_backend(backend: str, model) -> str:
