@@ -42,7 +42,7 @@ sysdeps:
 	  else echo "note: missing$$missing (tests that compare against them will skip)"; fi; fi
 
 test: $(STAMP) sysdeps
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=40 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/python -m tools.demo

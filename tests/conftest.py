@@ -1,4 +1,4 @@
-"""Shared fixtures: a small random dataset, a moto S3 server and bucket."""
+"""Shared fixtures: a small random dataset, a moto S3 server and bucket; the order test files run in."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,27 @@ import pytest
 
 from testutil import free_port, write_random_dataset
 from storage.manifest import Manifest
+
+# Files that take longest (`make test`'s --durations), started first: xdist (--dist loadfile, its reordering
+# off in the Makefile) hands files out in collection order, and its own reordering (most tests first) left
+# the one-test demo file for last, one worker running it for ~6 min while the other idled.
+LONGEST_FIRST = ("test_demo.py", "test_eval_e2e.py", "test_train_parallel.py", "test_fault_injection.py",
+                 "test_ckpt_resume.py", "test_sft_train.py", "test_dpo_train.py", "test_ckpt_merge.py",
+                 "test_distill_train.py", "test_train_init.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The files of LONGEST_FIRST first, in that order, then the others by their number of tests (xdist's own
+    order); tests keep their order within a file."""
+    files: dict = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+
+    def key(path):
+        if path.name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(path.name), 0
+        return len(LONGEST_FIRST), -len(files[path])
+    items[:] = [item for path in sorted(files, key=key) for item in files[path]]
 
 
 @pytest.fixture
