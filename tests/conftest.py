@@ -10,8 +10,9 @@ from testutil import free_port, write_random_dataset
 from storage.manifest import Manifest
 
 # Files that take longest (`make test`'s --durations), started first: xdist (--dist loadfile, its reordering
-# off in the Makefile) hands files out in collection order, and its own reordering (most tests first) left
-# the one-test demo file for last, one worker running it for ~6 min while the other idled.
+# off in the Makefile) hands files out in collection order; its own reordering (most tests first) left the
+# one-test demo file (~6 min) for last, with the other worker idle beside it (one fresh-clone run each:
+# tests 26:18 before, 25:23 after on a slow VM; the demo's own 2 processes now share the cores longer).
 LONGEST_FIRST = ("test_demo.py", "test_eval_e2e.py", "test_train_parallel.py", "test_fault_injection.py",
                  "test_ckpt_resume.py", "test_sft_train.py", "test_dpo_train.py", "test_ckpt_merge.py",
                  "test_distill_train.py", "test_train_init.py")
