@@ -8,16 +8,14 @@ Backends (`backend`):
   are watched on the streamed tokens here and the request is cancelled.
 - `padded`: transformers' `generate` on batches of prompts sorted by length, left-padded, with a static
   KV cache (preallocated: no copy of the growing cache at every step, as the default dynamic cache does)
-  whose layers give attention only their filled positions (no mask at all for unpadded rows), and a
-  stopping criterion per row (EOS ids and stop strings). The prompts are prefilled into that cache by
-  causal forwards without padding, the rows of each length together, and `generate` starts at their last
-  token. It decodes CHUNK steps per `generate` call and continues from the cache; rows that ended leave
-  the batch in between (their cache rows dropped), so a few long answers do not keep a whole batch of
-  finished rows computing (the cache: `train.generation.kv_cache`). When a batch's prompts share a prefix of
-  at least SHARED_PREFIX tokens
-  (few-shot exemplars, a system prompt, an RL group's copies of one prompt), the prefix is run once and
-  the rest of each prompt on top of it; rows are laid out as [prefix][padding][rest of the prompt] (the
-  attention mask and the positions skip the padding).
+  whose layers give attention only their filled positions (no mask at all for unpadded rows of one
+  length), and a stopping criterion per row (EOS ids and stop strings); the cache is
+  `train.generation.kv_cache`. It decodes CHUNK steps per `generate` call and continues from the cache;
+  rows that ended leave the batch in between (their cache rows dropped), so a few long answers do not keep
+  a whole batch of finished rows computing. When a batch's prompts share a prefix of at least
+  SHARED_PREFIX tokens (few-shot exemplars, a system prompt, an RL group's copies of one prompt), the
+  prefix is run once and copied into every row's cache; rows are laid out as [prefix][padding][rest of
+  the prompt] (the attention mask and the positions skip the padding), and `generate` runs on from there.
 - `vllm`: vLLM's `LLM` on a GPU, its weights handed over from ours (`load_weights`), never downloaded.
 `auto` picks vLLM when it is installed and a GPU is present, else `continuous` on a GPU when the installed
 transformers has it, else `padded`: on CPU, transformers' paged attention made continuous batching 8x
