@@ -11,6 +11,9 @@ The model is the demo's SFT checkpoint (`make demo` → demo-out/sft), exported 
   generation, scoring) for ours and for lm-eval at its best batch size here (each batch size in
   --lm-eval-batch tried once, the fastest timed), alternating, median of --rounds.
 - Engine backends: padded batches vs transformers' continuous batching on CPU, same greedy work.
+- Before/after (`--parts before --before REV`): our whole call on the first --speed-items items of each
+  --speed-tasks task, REV from a git worktree against this tree, each side a fresh process per round
+  (one warm-up call, then --before-calls timed calls), alternating, median of all calls.
 - Speculative decoding: the SFT model as target and a draft the script builds from it (its first
   --draft-layers layers, no further training), `train generate --draft`'s path on --spec-prompts chat
   prompts: acceptance rate and speed-up over plain greedy (median per prompt), output identity checked.
@@ -114,7 +117,7 @@ def backends(folder: str, prompts: int, max_new: int, batch: int) -> dict:
     return {k: min(v) for k, v in out.items()}
 
 
-PARTS = ("parity", "speed", "ifeval", "spec", "backends")
+PARTS = ("parity", "speed", "ifeval", "spec", "backends", "before")
 SPEED = {"gsm8k_cot": ("gsm8k/gsm8k-cot.yaml", False), "gsm8k_cot_chat": ("gsm8k/gsm8k-cot-zeroshot.yaml", True),
          "ifeval": ("ifeval/ifeval.yaml", True)}
 
@@ -149,6 +152,63 @@ def speed(folder: str, work: str, task: str, args) -> dict:
             "ended": sum(it["finish_reason"] == "stop" for it in mine["items"])}
 
 
+_TIMED_CALLS = """
+import json, sys, time
+from train.eval.config import GenerationEvalConfig
+from train.eval.hf import generate_hf
+folder, spec, new, n = sys.argv[1], sys.argv[2], int(sys.argv[3]) or None, int(sys.argv[4])
+cfg = GenerationEvalConfig(batch_size=int(sys.argv[5]), max_new_tokens=new)
+generate_hf(folder, [spec], 4, cfg)
+times = []
+for _ in range(n):
+    t = time.perf_counter()
+    generate_hf(folder, [spec], None, cfg)
+    times.append(time.perf_counter() - t)
+import train
+print("TIMES", json.dumps(times), train.__file__)
+"""
+
+
+def before_after(folder: str, work: str, args) -> list[dict]:
+    """Seconds per whole call of ours at --before (a worktree) and in this tree, alternating fresh processes."""
+    import subprocess
+
+    from train.eval.generative import read_docs
+
+    repo = Path(__file__).resolve().parents[2]
+    rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=repo, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    tree = Path(work) / "before"
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=repo, check=True, capture_output=True)
+    rows = []
+    try:
+        for task in args.speed_tasks.split(","):
+            _, docs, _ = read_docs(task, args.speed_items)
+            path = os.path.join(work, f"before-{task}.jsonl")
+            Path(path).write_text("".join(json.dumps(d) + "\n" for d in docs))
+            new = args.ifeval_tokens if task == "ifeval" else 0
+            times: dict[str, list[float]] = {"before": [], "after": []}
+            for r in range(args.rounds):
+                for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
+                    src = tree if side == "before" else repo
+                    res = subprocess.run([sys.executable, "-c", _TIMED_CALLS, folder, f"{task}={path}", str(new),
+                                          str(args.before_calls), str(args.batch)], capture_output=True, text=True,
+                                         cwd=src, env={**os.environ, "PYTHONPATH": str(src)})
+                    line = [x for x in res.stdout.splitlines() if x.startswith("TIMES ")]
+                    if res.returncode != 0 or not line:
+                        sys.exit(f"{side} ({src}) failed:\n{res.stderr[-3000:]}")
+                    got, used = line[0][6:].rsplit(" ", 1)
+                    if not used.startswith(str(src)):  # the code timed must be the side's tree
+                        sys.exit(f"{side}: imported {used}, not from {src}")
+                    times[side] += json.loads(got)
+                    print(f"{task} round {r} {side}: {times[side][-args.before_calls:]}", flush=True)
+            rows.append({"task": task, "rev": rev, "before": statistics.median(times["before"]),
+                         "after": statistics.median(times["after"]), "calls": len(times["after"])})
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="demo-out/sft", help="a checkpoint or run dir (its newest), or HF folder")
@@ -162,7 +222,9 @@ def main() -> None:
     ap.add_argument("--ifeval-tokens", type=int, default=64, help="max_gen_toks of the IFEval parity run")
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--spec-prompts", type=int, default=8)
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)} to run")
+    ap.add_argument("--before", default=None, help="git revision for --parts before (our call there vs here)")
+    ap.add_argument("--before-calls", type=int, default=3, help="timed calls per process of --parts before")
+    ap.add_argument("--parts", default=",".join(p for p in PARTS if p != "before"), help=f"which of {', '.join(PARTS)} to run")
     ap.add_argument("--append", default=None)
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]
@@ -262,6 +324,20 @@ Engine backends on CPU (32 gsm8k_cot prompts, 48 new tokens each, no stop string
 padded `generate` with a static cache {eng['padded']:.1f} s, transformers continuous batching {eng['continuous']:.1f} s
 ({eng['continuous'] / eng['padded']:.1f}x).
 """)
+    if "before" in parts:
+        if not args.before:
+            sys.exit("--parts before needs --before REV")
+        rows = before_after(folder, work, args)
+        print("before/after", rows, flush=True)
+        out.append(f"""
+Our whole call before ({rows[0]['rev']}, a git worktree) and after (this tree), first {args.speed_items} items,
+{args.rounds} alternating rounds of a fresh process per side ({args.before_calls} timed calls each after a warm-up),
+median of all calls:
+
+| task | before s | after s | before / after |
+|---|---|---|---|
+""" + "".join(f"| {r['task']} | {r['before']:.2f} | {r['after']:.2f} | **{r['before'] / r['after']:.2f}x** |\n"
+              for r in rows))
     if args.append:
         with open(args.append, "a") as f:
             f.write("".join(out))
