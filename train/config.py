@@ -19,7 +19,7 @@ from train.checkpoint.config import CheckpointConfig
 from train.eval.config import EvalConfig
 from train.model.gpt import ModelConfig
 from train.objectives.distill_config import DistillConfig
-from train.objectives.preference import DPOConfig
+from train.objectives.preference_config import DPOConfig
 from train.objectives.rl_config import RewardModelConfig, RLConfig
 
 
@@ -315,7 +315,7 @@ class TrainConfig:
         """The dataset must exist (unless synthetic) and fit the model's vocabulary; the objective's own
         checks (dpo: a reference; rl: answers for the rewards that need them), once the dataset is known."""
         if self.eval.tasks:
-            self.eval.load_tasks()  # unknown names and malformed task files fail here, before torchrun
+            self.eval.check_tasks()  # unknown names and malformed task files fail here, before torchrun
             if self.debug.synthetic_data or not self.data.dataset:
                 raise ConfigError("key 'eval.tasks': benchmarks need the dataset's tokenizer; set data.dataset "
                                   "(synthetic data has no tokenizer)")

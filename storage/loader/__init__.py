@@ -14,8 +14,15 @@ worker processes, zero-copy ring), `loader` (TokenLoader), `torchdata` (use insi
 with workers), `dali` (optional DALI block reader), `bench` (`storage bench-loader`). See
 docs/loader.md.
 """
-from storage.loader.config import LoaderConfig
-from storage.loader.loader import TokenLoader
-from storage.loader.torchdata import TokenIterableDataset
+import importlib
+
+# Imported on first use: the config alone (train.config, every `train` command) must not import torch.
+_WHERE = {"LoaderConfig": "config", "TokenLoader": "loader", "TokenIterableDataset": "torchdata"}
 
 __all__ = ["LoaderConfig", "TokenIterableDataset", "TokenLoader"]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"storage.loader.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'storage.loader' has no attribute {name!r}")

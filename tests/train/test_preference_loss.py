@@ -9,7 +9,8 @@ import pytest
 import torch
 from testutil import require
 
-from train.objectives.preference import DPOConfig, pair_losses, sequence_logps
+from train.objectives.preference import pair_losses, sequence_logps
+from train.objectives.preference_config import DPOConfig
 
 
 class _Stub(torch.nn.Module):

@@ -63,8 +63,11 @@ def _reason(e: Exception) -> str:
 def load_torch(src: str | bytes | BinaryIO, name: str | None = None):
     """`torch.load(weights_only=True)` of one pickled checkpoint file (a path, its bytes or a binary
     stream; `name` says which file in errors); raises CheckpointError naming the file."""
-    import megatron.core.safe_globals  # noqa: F401 - imported for its allow-list (registered by megatron.core)
     import torch
+
+    from train.model.cpu_compat import import_megatron
+
+    import_megatron()  # for its allow-list (megatron.core.safe_globals)
 
     name = name or (src if isinstance(src, str) else "checkpoint file")
     f = io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src

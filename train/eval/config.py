@@ -5,11 +5,12 @@ Kept free of torch and megatron imports, so validating a config stays fast.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Literal
 
 from storage.config import ConfigError
-from storage.evaltasks import Task, TaskError, load_task
+from storage.evaltasks import Task, TaskError, check_task, load_task
 
 
 @dataclass
@@ -64,6 +65,20 @@ class EvalConfig:
 
         return [t for t in self.tasks if is_generative(t)]
 
+    def check_tasks(self) -> None:
+        """Unknown task names and malformed task files of the user's raise ConfigError naming the key; the
+        package's own task files are not read (load_tasks reads them where the items are needed)."""
+        from train.eval.generative import is_generative, read_docs
+
+        try:
+            for spec in self.tasks:
+                if not is_generative(spec):
+                    check_mc_task(spec)
+                elif "=" in spec:
+                    read_docs(spec)
+        except TaskError as e:
+            raise ConfigError(f"key 'eval.tasks': {e}") from None
+
     def load_tasks(self) -> list[Task]:
         """The log-likelihood tasks' items; generative task files are checked too (fields, JSON)."""
         from train.eval.generative import is_generative, read_docs
@@ -77,12 +92,24 @@ class EvalConfig:
             raise ConfigError(f"key 'eval.tasks': {e}") from None
 
 
+def check_mc_task(spec: str) -> None:
+    """storage.evaltasks.check_task; an unknown name's error also lists the generative tasks."""
+    with _listing_generative():
+        check_task(spec)
+
+
 def load_mc_task(spec: str, limit: int | None) -> Task:
     """storage.evaltasks.load_task; an unknown name's error also lists the generative tasks."""
+    with _listing_generative():
+        return load_task(spec, limit)
+
+
+@contextlib.contextmanager
+def _listing_generative():
     from train.eval.generative import TASKS
 
     try:
-        return load_task(spec, limit)
+        yield
     except TaskError as e:
         if str(e).startswith("unknown task"):
             raise TaskError(f"{e}; generative: {', '.join(TASKS)}") from None

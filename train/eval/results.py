@@ -130,7 +130,7 @@ def launch(ckpts: list[str], cfg: TrainConfig, out_dir: str, nproc: int, tokeniz
     tok = tokenizer or checkpoint_tokenizer(cfg, ckpts[0])
     if cfg.eval.tasks and not tok:
         raise ConfigError("key 'eval.tasks': no tokenizer known for this checkpoint; give --tokenizer")
-    cfg.eval.load_tasks()
+    cfg.eval.check_tasks()
     os.makedirs(out_dir, exist_ok=True)
     atomic.sweep(out_dir)  # result files an interrupted evaluation left half-written
     # the workers' spec lives in the system's temporary folder (standalone: one machine), not in OUT

@@ -14,8 +14,9 @@ makes all of these work on CPU, and does nothing when CUDA is available:
 - `CPURNGStatesTracker`, megatron's tracker with the same names and seed offsets
   (`seed` data-parallel, `seed + 2718 + tp_rank` model-parallel, `seed + 1024 + ...` expert) whose
   states are CPU generator states, so tensor-parallel regions still draw different numbers per TP rank;
-- `TORCHDYNAMO_DISABLE=1` (unless set): megatron's import-time `torch.compile` wrappers then skip
-  importing dynamo and inductor; no compiled function runs on our CPU path;
+- `TORCHDYNAMO_DISABLE=1` (unless set) and megatron imported with `torch.compile` the identity
+  (`import_megatron`): its import-time wrappers then skip importing dynamo and inductor; no compiled
+  function runs on our CPU path;
 - megatron's activation-recompute functions (`CheckpointFunction`, `CheckpointWithoutOutputFunction`)
   re-enter the mode in their backward, where they rerun forward code: autograd's backward runs inside
   the mode's handler for `backward`, i.e. with the mode off the stack.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Any
 
 import torch
@@ -230,16 +232,32 @@ def install() -> bool:
         return True
     if torch.cuda.is_available():
         return False
-    # megatron wraps its fusion kernels in torch.compile when imported, which imports dynamo and inductor
-    # (~1.2 s a process); with the fusions off (train.model.gpt) none of them runs, and nothing else here
-    # compiles: skip that import on CPU (bit-identical losses, a tiny launch 12.8 → 10.7 s)
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    import_megatron()
     _patch_cuda_module()
     _MODE = CudaToCpuMode()
     _MODE.__enter__()  # left entered for the life of the process
     _patch_rng()
     _INSTALLED = True
     return True
+
+
+def import_megatron() -> None:
+    """Import megatron-core; without CUDA, with TORCHDYNAMO_DISABLE=1 (unless set) and `torch.compile` the
+    identity while it imports. megatron wraps its fusion kernels in `torch.compile` at import time; with the
+    fusions off (train.model.gpt) none of them runs on CPU, and a disabled compile runs the Python unchanged
+    anyway, but torch 2.13's `torch.compile` imports dynamo and inductor before it looks at the variable
+    (~0.7 s a process). megatron's `jit_fuser` keeps the identity for the modules it decorates later."""
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        import megatron.core  # noqa: F401
+        return
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    compile_ = torch.compile
+    if os.environ["TORCHDYNAMO_DISABLE"] == "1":
+        torch.compile = lambda model=None, **kwargs: model if model is not None else (lambda fn: fn)
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = compile_
 
 
 def uninstall() -> None:

@@ -15,39 +15,13 @@ whatever the micro-batch size or layout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-from storage.config import ConfigError
+from train.objectives.preference_config import LOSSES, DPOConfig
 
-LOSSES = ("sigmoid", "ipo", "apo_zero", "apo_down")
 # summed per micro-batch into the step report, after (loss, pairs, non-padding tokens)
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "logps_chosen", "logps_rejected")
-
-
-@dataclass
-class DPOConfig:
-    loss: Literal["sigmoid", "ipo", "apo_zero", "apo_down"] = "sigmoid"  # the preference loss
-    beta: float = 0.1                # strength of the reference anchor (IPO: its regulariser tau)
-    label_smoothing: float = 0.0     # sigmoid only: assumed share of flipped labels (conservative DPO)
-    rpo_alpha: float = 0.0           # > 0: add alpha x the chosen completion's mean token NLL (RPO)
-    # precomputed: reference log-probs computed once (`train refs`, or at the start of the run) and stored
-    # beside the dataset, one model in memory; online: a frozen copy of the reference in memory
-    reference: Literal["precomputed", "online"] = "precomputed"
-    reference_checkpoint: str | None = None  # null: the --init checkpoint (the policy's starting weights)
-
-    def validate(self) -> None:
-        if self.beta <= 0:
-            raise ConfigError(f"key 'dpo.beta': must be > 0, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"key 'dpo.label_smoothing': must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss != "sigmoid":
-            raise ConfigError(f"key 'dpo.label_smoothing': only for loss sigmoid, not {self.loss}")
-        if self.rpo_alpha < 0:
-            raise ConfigError(f"key 'dpo.rpo_alpha': must be >= 0, got {self.rpo_alpha}")
 
 
 def pair_losses(cfg: DPOConfig, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
