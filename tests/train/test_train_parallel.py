@@ -86,8 +86,11 @@ def test_parallel_layout_matches_single_process(tmp_path, baseline, name, nproc,
     assert all(r[f"comm_share_{kind}"] > 0 for r in recs), [r[f"comm_share_{kind}"] for r in recs]
     assert " | comm " in out
     if name == "dp2_distopt":  # the delay (≥ 2 timed calls a step: grad reduce-scatter, param all-gather) shows
+        # as ≥ 0.2 s more communication a step; medians, as one step of either side can wait on a rank the
+        # other test worker slowed (waiting counts as communication: CI once saw 0.25 s at step 3)
         comm_s = share * np.array([r["step_time_s"] for r in recs])
-        assert share[3:].min() > share[1:3].max() and comm_s[3:].min() > comm_s[1:3].max() + 0.1, (share, comm_s)
+        before, after = np.median(comm_s[:3]), np.median(comm_s[3:])
+        assert np.median(share[3:]) > np.median(share[:3]) and after > before + 0.1, (share, comm_s)
         assert any(e["event"] == "warning" and "communication is" in e["message"] for e in events)
 
 
