@@ -287,15 +287,16 @@ from train.checkpoint import CheckpointConfig, CheckpointManager
 
 if __name__ == "__main__":
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    CheckpointManager(CheckpointConfig(dir="c"), sys.argv[1])  # starts megatron's results-queue Manager
+    # fully_sharded_model_space is saved by torch_dist: the manager starts megatron's results-queue Manager
+    CheckpointManager(CheckpointConfig(dir="c", distrib_optim_sharding_type=sys.argv[2]), sys.argv[1])
     print(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
 def test_helper_processes_die_with_a_killed_trainer(tmp_path):
-    """megatron's async writer keeps a Manager process (spawned); a training process killed with SIGKILL
-    must not leave it behind."""
+    """megatron's torch_dist writer keeps a Manager process (spawned); a training process killed with SIGKILL
+    must not leave it behind. A format that never saves through torch_dist starts no such process."""
     import subprocess
     import sys
     import time
@@ -304,11 +305,17 @@ def test_helper_processes_die_with_a_killed_trainer(tmp_path):
 
     script = tmp_path / "trainer.py"
     script.write_text(_KILLED_TRAINER)
-    # the helpers inherit stdout: read the pid line, not to EOF (which a surviving helper would hold off)
-    with subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True) as proc:
-        pids = [int(p) for p in proc.stdout.readline().split()]
-        assert proc.wait(timeout=120) == -9
+
+    def helpers(sharding: str) -> list[int]:
+        # the helpers inherit stdout: read the pid line, not to EOF (which a surviving helper would hold off)
+        with subprocess.Popen([sys.executable, str(script), str(tmp_path), sharding], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) as proc:
+            pids = [int(p) for p in proc.stdout.readline().split()]
+            assert proc.wait(timeout=120) == -9
+        return pids
+
+    assert helpers("fully_reshardable") == []
+    pids = helpers("fully_sharded_model_space")
     assert pids, "the trainer started no helper process: nothing to check"
     deadline = time.monotonic() + 10
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):

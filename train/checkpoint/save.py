@@ -43,6 +43,8 @@ from train.state import TrainState
 log = logging.getLogger("train.checkpoint")
 FAIL_ENV = "SMOLTRAIN_CKPT_FAIL_WRITE_AT_STEP"  # fault injection for tests: the write of that step raises
 LAG_ENV = "SMOLTRAIN_CKPT_LAG_S"  # fault injection for tests: ranks > 0 sleep this long after a save's gather
+# distributed-optimizer formats whose state is flattened ShardedTensors: saved by torch_dist
+FLATTENING = ("dp_reshardable", "fully_sharded_model_space")
 
 
 def rank_world() -> tuple[int, int]:
@@ -148,14 +150,22 @@ class Saver:
         self.failed: list[str] = []  # messages of saves that were not committed
         self.last_stall_s = 0.0
         self.last_tensor_write: tuple[int, float] | None = None  # (bytes, seconds) of the last raw full save
-        # torch_dist's async writer starts a spawn-based results queue on first use (seconds): start it
-        # here, before training, instead of inside the first save's stall.
-        # Its Manager process dies with this one (else a kill -9 of training leaves it behind).
+        # torch_dist's async writer starts a spawn-based results queue on first use: a process that re-imports
+        # the entry module (torch and megatron: seconds of CPU). Only the sharding types that flatten the
+        # distributed optimizer's state save through torch_dist; for those it is started here, before training,
+        # instead of inside the first save's stall. Other runs never start it.
+        if cfg.distrib_optim_sharding_type in FLATTENING:
+            self._start_results_queue()
+
+    @staticmethod
+    def _start_results_queue() -> None:
+        """megatron's results queue for torch_dist saves, its Manager process set to die with this one (else
+        a kill -9 of training leaves it behind)."""
         try:
             from megatron.core.dist_checkpointing.strategies import filesystem_async
             with managers_die_with_parent(multiprocessing.managers):
                 filesystem_async._get_write_results_queue()
-        except (ImportError, AttributeError):  # a megatron without it: started on first save instead
+        except (ImportError, AttributeError):  # a megatron without it: started by megatron on first save
             log.debug("megatron results queue not pre-started")
 
     def start(self, state: TrainState, kind: str, base_name: str | None, base: dict | None) -> PendingSave:
@@ -179,6 +189,7 @@ class Saver:
         elif not torch_dist:
             strategy = RawSaveStrategy(self.rank)
         else:
+            self._start_results_queue()  # (a no-op once started)
             strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
         # A sync save of host tensors writes straight from them (training waits anyway). An async one copies
         # them to reused host buffers in the background: parameters and optimizer states only change in
