@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import click
 
@@ -155,5 +154,12 @@ def report(dataset, charts_dir, no_charts) -> None:
             click.echo(f"chart: {p}")
 
 
+def entrypoint() -> None:
+    """The console script: `main`, then an exit without the interpreter's teardown (storage.lifecycle)."""
+    from storage.lifecycle import run_main
+
+    run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entrypoint()

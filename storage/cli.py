@@ -112,5 +112,12 @@ main.add_command(bench)
 from storage.loader.bench import bench_loader  # noqa: E402
 main.add_command(bench_loader, "bench-loader")
 
+def entrypoint() -> None:
+    """The console script: `main`, then an exit without the interpreter's teardown (storage.lifecycle)."""
+    from storage.lifecycle import run_main
+
+    run_main(main)
+
+
 if __name__ == "__main__":
-    main()
+    entrypoint()

@@ -314,5 +314,12 @@ if importlib.util.find_spec("train.checkpoint.cli") is not None:
     main.add_command(ckpt)
 
 
+def entrypoint() -> None:
+    """The console script: `main`, then an exit without the interpreter's teardown (storage.lifecycle)."""
+    from storage.lifecycle import run_main
+
+    run_main(main)
+
+
 if __name__ == "__main__":
-    main()
+    entrypoint()

@@ -55,4 +55,6 @@ def objective_pass(cfg) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from storage.lifecycle import run_main
+
+    run_main(main)
