@@ -4,18 +4,25 @@ loss mask (assistant turns) and document masking.
 Both return the micro-batch's summed token losses. Pretraining lets megatron divide by tokens and
 micro-batches; sft (calculate_per_token_loss) keeps sums, and megatron divides the gradients by the
 step's global count of loss tokens, so neither the micro-batch size nor the layout changes the loss.
+
+torch is imported where it is used: `train launch` reads the objective's config-time hooks before any rank
+starts, and for pretraining and SFT that process then never imports torch (1.7 s here).
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from train.model.docmask import micro_batch
 from train.objectives.base import Objective
+
+if TYPE_CHECKING:
+    import torch
 
 
 def model_inputs(mb) -> tuple:
     """(tokens, positions) for GPTModel: per-token RoPE positions are steered by rope_positions, and
     megatron still wants a position tensor."""
+    import torch
+
     positions = mb.positions if mb.positions is not None else \
         torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
     return mb.tokens, positions
@@ -23,6 +30,8 @@ def model_inputs(mb) -> tuple:
 
 def token_loss_report(token_losses: torch.Tensor, mb) -> tuple:
     """(sum, loss tokens, report [sum, loss tokens, non-padding tokens]) of masked token losses."""
+    import torch
+
     losses = token_losses.float()
     if mb.loss_mask is not None:
         losses = losses * mb.loss_mask.reshape(losses.shape)
@@ -38,6 +47,8 @@ class Pretrain(Objective):
     per_token_loss = False
 
     def forward(self, model, rows, docs: dict, rope: dict):
+        from train.model.docmask import micro_batch
+
         mb = micro_batch(rows, **docs)
         rope["positions"] = mb.positions
         tokens, positions = model_inputs(mb)
