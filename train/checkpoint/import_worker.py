@@ -144,4 +144,6 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     import sys
 
-    raise SystemExit(main(sys.argv[1:]))
+    from storage.lifecycle import run_main
+
+    run_main(lambda: main(sys.argv[1:]))

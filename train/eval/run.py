@@ -101,4 +101,6 @@ def _cost(cfg, chunks, par, manifest: dict, tokenizer_path: str | None) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from storage.lifecycle import run_main
+
+    run_main(main)

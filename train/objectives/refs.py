@@ -197,4 +197,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from storage.lifecycle import run_main
+
+    run_main(main)
