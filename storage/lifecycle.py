@@ -7,9 +7,10 @@ has the kernel kill the calling process when its parent exits, and `managers_die
 Manager started inside it call that first.
 
 `run_main` is the end of every command's process (the `train`, `datapipe`, `storage` scripts, each
-training rank and the other workers they start: evaluation, reference log-probs, checkpoint import): everything Python's exit does that a finished command needs, without the teardown that
-frees every module and object (0.8 s for a CLI process with torch and megatron imported, 1.7 s for a
-training rank, on this project's 2-core machine).
+training rank and the other workers they start: evaluation, reference log-probs, checkpoint import):
+everything Python's exit does that a finished command needs, without the teardown that frees every module
+and object (0.8 s for a CLI process with torch and megatron imported, 1.7 s for a training rank, on this
+project's 2-core machine).
 """
 from __future__ import annotations
 
