@@ -197,3 +197,43 @@ def test_vllm_backend_matches_transformers(setup):
     model, tok, prompts, ref, eos = setup
     got = Engine(model.cuda(), tok, eos, backend="vllm").generate(prompts, SamplingParams(max_new_tokens=N_NEW))
     assert [c[0].token_ids for c in got] == ref
+
+
+def test_stop_strings_are_looked_for_only_after_tokens_that_can_complete_them():
+    """The engine decodes a row's tail only after a token that can complete a stop string
+    (`completing_tokens`): on random sequences of a byte-level BPE (partial UTF-8 characters, special tokens,
+    multi-byte and ASCII stop strings) every prefix ends exactly where decoding after every token says."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from train.generation.engine import StopChecker, completing_tokens
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    texts = [d["text"] for d in read_corpus("fortunes", 100)] + ["Q: 中文的句子。A: é! 😀 </s> 日本語です。"] * 20
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=420, special_tokens=["<|im_end|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    stops = ("Q:", "</s>", "<|im_end|>", "。", "é!", "😀")
+    completing = completing_tokens(tok, stops)
+    assert completing is not None and 0 < sum(completing) < len(tok) // 2  # most tokens skip the decode
+    assert completing_tokens(tok, ("\n\n",)) is None  # a stop string ending in whitespace: decode always
+    filtered, every = StopChecker(tok, set(), stops, completing), StopChecker(tok, set(), stops)
+    rng = random.Random(0)
+    special = tok.convert_tokens_to_ids("<|im_end|>")
+    seqs = [[rng.choice([special] + list(range(len(tok)))) for _ in range(40)] for _ in range(150)]
+    first_end = []  # a sequence stops at its first end: only prefixes up to there are ever checked
+    for seq in seqs:
+        k = next((k for k in range(1, len(seq) + 1) if every.end(seq[:k]) is not None), len(seq) + 1)
+        first_end.append(k)
+        for j in range(1, min(k, len(seq)) + 1):
+            assert filtered.end(seq[:j]) == every.end(seq[:j]), (seq[:j], tok.decode(seq[:j]))
+    batch = torch.tensor(seqs)
+    for k in range(1, 41):
+        rows = [r for r in range(0, 150, 2) if first_end[r] >= k]
+        assert filtered.ended(batch[:, :k], rows) == every.ended(batch[:, :k], rows)
+    ends = sum(k <= 40 for k in first_end)
+    assert ends > 30  # the sequences do reach stop strings, multi-byte ones included

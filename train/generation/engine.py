@@ -63,15 +63,21 @@ class Completion:
 
 @dataclass
 class StopChecker:
-    """Where a sequence ends: at a stop token, or at the token that completes a stop string in its text."""
+    """Where a sequence ends: at a stop token, or at the token that completes a stop string in its text.
+    `completing` (from `completing_tokens`): per token id, whether it can complete a stop string; the text is
+    decoded only after such a token (None: after every token)."""
     tokenizer: object
     stop_ids: set[int]
     stops: tuple[str, ...] = ()
+    completing: list[bool] | None = None
     window: int = field(init=False, default=0)
 
     def __post_init__(self):
         # a stop string of c characters lies within the last c + 1 tokens that complete it
         self.window = max((len(s) for s in self.stops), default=0) + 2
+
+    def _may_complete(self, token: int) -> bool:
+        return self.completing is None or token >= len(self.completing) or self.completing[token]
 
     def end(self, tokens: list[int]) -> int | None:
         """Tokens to keep if `tokens` (a growing sequence) has ended at its last token, else None."""
@@ -79,7 +85,7 @@ class StopChecker:
             return None
         if tokens[-1] in self.stop_ids:
             return len(tokens)
-        if self.stops:
+        if self.stops and self._may_complete(tokens[-1]):
             tail = self.tokenizer.decode(tokens[-self.window:], skip_special_tokens=False)
             if any(s in tail for s in self.stops):
                 return len(tokens)
@@ -87,18 +93,33 @@ class StopChecker:
 
     def ended(self, generated: torch.Tensor, rows: list[int]) -> list[bool]:
         """Whether each of `rows` of `generated` ([batch, tokens so far], at least one) ended at its last token:
-        `end` for a whole batch, its tails decoded in one call."""
+        `end` for a whole batch, the tails that need it decoded in one call."""
         last = generated[rows, -1].tolist()
         done = [t in self.stop_ids for t in last]
-        if self.stops:
-            tails = generated[rows, -self.window:].tolist()
+        check = [k for k, t in enumerate(last) if not done[k] and self._may_complete(t)] if self.stops else []
+        if check:
+            tails = generated[[rows[k] for k in check], -self.window:].tolist()
             rust = getattr(self.tokenizer, "backend_tokenizer", None)
             if rust is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
                 tails = rust.decode_batch(tails, skip_special_tokens=False)  # (what decode returns, minus its overhead)
             else:
                 tails = self.tokenizer.batch_decode(tails, skip_special_tokens=False)
-            done = [d or any(s in t for s in self.stops) for d, t in zip(done, tails, strict=True)]
+            for k, text in zip(check, tails, strict=True):
+                done[k] = any(s in text for s in self.stops)
         return done
+
+
+def completing_tokens(tokenizer, stops: tuple[str, ...]) -> list[bool] | None:
+    """Per token id, whether appending it can complete one of `stops` in the decoded text: a stop string not
+    there before ends inside the new token's text, so that text (decoded alone) holds the string's last
+    character, or an incomplete character (U+FFFD: its bytes may complete one that the token before began).
+    None (decode after every token) when a stop string ends in whitespace, which some decoders drop from a
+    token decoded alone (a leading metaspace)."""
+    if not stops or any(s[-1].isspace() for s in stops):
+        return None
+    lasts = {s[-1] for s in stops}
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
+    return ["\ufffd" in t or any(c in t for c in lasts) for t in texts]
 
 
 class Engine:
@@ -109,6 +130,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.backend = resolve_backend(backend, model)
         self._vllm = None
+        self._completing: dict[tuple[str, ...], list[bool] | None] = {}  # completing_tokens per stop strings
         self._mask_vocab_padding()
 
     # ---------------------------------------------------------------- public
@@ -119,7 +141,11 @@ class Engine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("a prompt encodes to no tokens")
         flat = [p for p in prompts for _ in range(params.n)]
-        checker = StopChecker(self.tokenizer, set(self.eos_ids) | set(params.stop_token_ids), tuple(params.stop))
+        stops = tuple(params.stop)
+        if stops not in self._completing:
+            self._completing[stops] = completing_tokens(self.tokenizer, stops)
+        checker = StopChecker(self.tokenizer, set(self.eos_ids) | set(params.stop_token_ids), stops,
+                              self._completing[stops])
         run = {"continuous": self._continuous, "padded": self._padded, "vllm": self._vllm_generate}[self.backend]
         with suspended():  # (in a trainer's process on CPU: megatron's CUDA→CPU shim is not needed here)
             done = run(flat, params, checker)
