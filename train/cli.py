@@ -195,7 +195,10 @@ def estimate(config_path, preset, overrides, gpus, mfu, no_flash):
 @click.option("--draft", default=None, metavar="CHECKPOINT|HF_FOLDER",
               help="Speculative decoding: a smaller model with the same vocabulary proposes tokens, MODEL verifies "
               "them; prints the acceptance rate and the speed-up over plain generation (measured here).")
-def generate(model, prompt, system, no_chat, max_new_tokens, temperature, top_p, seed, draft):
+@click.option("--prompt-lookup", type=int, default=0, show_default=True, metavar="N",
+              help="Speculative decoding without a draft model (greedy): up to N tokens guessed per step from the "
+              "prompt's and the reply's own n-grams; prints the acceptance rate and the speed-up (measured here).")
+def generate(model, prompt, system, no_chat, max_new_tokens, temperature, top_p, seed, draft, prompt_lookup):
     """Talk to a model: render the chat template around --chat, generate (greedy by default) until the
     template's end-of-turn token or EOS, print the reply. MODEL is a checkpoint (step_… folder, or a run
     dir / checkpoints folder: its newest) or a Hugging Face folder (a quantized one too). The template: the
@@ -207,28 +210,40 @@ def generate(model, prompt, system, no_chat, max_new_tokens, temperature, top_p,
 
     kw = dict(system=system, chat=not no_chat, max_new_tokens=max_new_tokens, temperature=temperature,
               top_p=top_p, seed=seed)
+    if draft is not None and prompt_lookup:
+        raise click.UsageError("--draft and --prompt-lookup: one kind of speculative decoding at a time")
+    if prompt_lookup < 0 or (prompt_lookup and temperature > 0):
+        raise click.UsageError("--prompt-lookup: a number of tokens >= 0, with greedy decoding (--temperature 0)")
     try:
         loaded = load(model)
-        if draft is None:
+        if draft is None and not prompt_lookup:
             click.echo(gen(model, prompt, loaded=loaded, **kw).text)
             return
-        from train.generation.speculative import check_pair
+        assistant = None
+        if draft is not None:
+            from train.generation.speculative import check_pair
 
-        assistant = load(draft)
-        check_pair(loaded, assistant)
+            assistant = load(draft)
+            check_pair(loaded, assistant)
         t0 = time.perf_counter()
         plain = gen(model, prompt, loaded=loaded, **kw)
         t_plain = time.perf_counter() - t0
         stats = []
-        out = gen(model, prompt, loaded=loaded, draft=assistant, stats=stats, **kw)
+        t0 = time.perf_counter()
+        out = gen(model, prompt, loaded=loaded, draft=assistant, prompt_lookup=prompt_lookup, stats=stats, **kw)
+        t_spec = time.perf_counter() - t0
     except GenerateError as e:
         raise click.ClickException(str(e)) from None
     click.echo(out.text)
     s = stats[0]
     same = "identical to" if out.new_ids == plain.new_ids else "differs from"
-    click.echo(f"[speculative] {s.new_tokens} tokens, acceptance {s.acceptance:.1%} ({s.target_calls} target and "
-               f"{s.draft_calls} draft forward passes); {s.seconds:.2f} s vs {t_plain:.2f} s plain: speed-up "
-               f"{t_plain / s.seconds:.2f}x; output {same} plain generation", err=True)
+    if assistant is not None:
+        calls = f"acceptance {s.acceptance:.1%} ({s.target_calls} target and {s.draft_calls} draft forward passes)"
+    else:
+        rate = s.accepted / s.proposed if s.proposed else 0.0
+        calls = f"acceptance {rate:.1%} ({s.accepted} of {s.proposed} guesses; {s.forwards + 1} forward passes)"
+    click.echo(f"[speculative] {len(out.new_ids)} tokens, {calls}; {t_spec:.2f} s vs {t_plain:.2f} s plain: "
+               f"speed-up {t_plain / t_spec:.2f}x; output {same} plain generation", err=True)
 
 
 @main.command()

@@ -211,3 +211,8 @@ def test_generate_is_greedy_deterministic_and_equals_transformers(imported, tmp_
     assert r.exit_code == 0 and r.output.strip() == a.text.strip(), r.output
     r = CliRunner().invoke(main, ["generate", folder, "--chat", "the quick", "--no-chat", "--max-new-tokens", "4"])
     assert r.exit_code == 0, r.output
+    # prompt-lookup speculative decoding: the same reply, its acceptance and speed-up printed
+    r = CliRunner().invoke(main, ["generate", ck, "--chat", "hello there", "--system", "be brief",
+                                  "--max-new-tokens", "12", "--prompt-lookup", "4"])
+    assert r.exit_code == 0 and r.stdout.strip() == a.text.strip(), r.output
+    assert "acceptance" in r.stderr and "output identical to plain generation" in r.stderr, r.stderr

@@ -80,7 +80,9 @@ def test_bad_input_is_one_line_naming_the_key_file_and_line(tiny_hf, tmp_path):
     cases = [(["--tasks", "gsm8k_cott"], "unknown task 'gsm8k_cott'; available: hellaswag"),
              (["--tasks", "gsm8k_cot", "--set", "eval.generation.max_new_token=8"], "eval.generation.max_new_token"),
              (["--tasks", f"gsm8k_cot={bad}"], f"{bad}:2: missing field 'answer'"),
-             (["--tasks", "ifeval", "--set", "eval.generation.batch_size=0"], "key 'eval.generation.batch_size'")]
+             (["--tasks", "ifeval", "--set", "eval.generation.batch_size=0"], "key 'eval.generation.batch_size'"),
+             (["--tasks", "ifeval", "--set", "eval.generation.prompt_lookup=-1"],
+              "key 'eval.generation.prompt_lookup'")]
     for args, want in cases:
         r = CliRunner().invoke(main, ["eval", "--hf", folder, *args])
         errors = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]

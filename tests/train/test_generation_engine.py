@@ -43,24 +43,27 @@ def greedy_one(model, tok, eos: list[int], ids: list[int], n_new: int) -> list[i
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("backend", ["padded", "continuous"])
-def test_greedy_equals_generate_at_batch_size_1(setup, backend):
+@pytest.mark.parametrize("backend,lookup", [("padded", 0), ("padded", 6), ("continuous", 0)])
+def test_greedy_equals_generate_at_batch_size_1(setup, backend, lookup):
     from train.generation.engine import Engine, SamplingParams
 
     model, tok, prompts, ref, eos = setup
     assert len({len(p) for p in prompts}) > 20 and min(map(len, prompts)) == 1
-    eng = Engine(model, tok, eos, backend=backend, max_batch_size=8)
+    eng = Engine(model, tok, eos, backend=backend, max_batch_size=8, prompt_lookup=lookup)
     got = eng.generate(prompts, SamplingParams(max_new_tokens=N_NEW))
     assert [c[0].token_ids for c in got] == ref
+    if lookup:  # guesses were checked, some kept, some not
+        st = eng.lookup_stats
+        assert 0 < st.accepted < st.proposed and st.forwards < len(prompts) * (N_NEW - 1) / 8, st
     assert all(c[0].finish_reason == ("stop" if r[-1] in eos else "length") for c, r in zip(got, ref, strict=True))
 
 
-@pytest.mark.parametrize("backend", ["padded", "continuous"])
-def test_stop_strings_and_stop_tokens(setup, backend):
+@pytest.mark.parametrize("backend,lookup", [("padded", 0), ("padded", 6), ("continuous", 0)])
+def test_stop_strings_and_stop_tokens(setup, backend, lookup):
     from train.generation.engine import Engine, SamplingParams
 
     model, tok, prompts, ref, eos = setup
-    eng = Engine(model, tok, eos, backend=backend, max_batch_size=8)
+    eng = Engine(model, tok, eos, backend=backend, max_batch_size=8, prompt_lookup=lookup)
     # a stop string taken from the middle of prompt 3's greedy continuation: it ends there, and only there
     r = ref[3]
     stop = tok.decode(r[6:8])
@@ -147,6 +150,50 @@ def test_a_shared_prefix_is_run_once_and_changes_nothing(setup):
         logits = model(x).logits[0, len(shared[3]) - 1:-1].float() / 0.8
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)
+
+
+def test_prompt_lookup_gives_the_greedy_output_and_the_models_log_probs(setup):
+    """Prompt-lookup speculative decoding (train.generation.ngram) on prompts that repeat themselves, so most
+    guesses are kept: rows move on by different numbers of tokens per step, rows that end (a stop token)
+    leave, a shared prefix is run once; tokens equal generate at batch size 1 and log-probs are the model's."""
+    from train.generation.engine import Engine, SamplingParams
+    from train.generation.kv_cache import SHARED_PREFIX
+
+    model, tok, prompts, ref, eos = setup
+    head = [t for p in prompts[20:] for t in p][:SHARED_PREFIX + 4]
+    loops = [(prompts[i][:3 + i % 9] * 4)[: 5 + 3 * i] for i in range(12)] + [head + prompts[i][:6] * 2 for i in range(4)]
+    n_new = 40
+    want = [greedy_one(model, tok, eos, ids, n_new) for ids in loops]
+    counts: dict[int, int] = {}
+    for w in want:
+        for t in set(w[5:30]):
+            counts[t] = counts.get(t, 0) + 1
+    stop = max(counts, key=lambda t: (counts[t] < len(want) - 2, counts[t]))  # a stop token many rows reach
+    want = [w[:w.index(stop) + 1] if stop in w else w for w in want]
+    assert 1 < sum(w[-1] == stop for w in want) < len(want)
+    eng = Engine(model, tok, eos, backend="padded", max_batch_size=16, prompt_lookup=8)
+    got = eng.generate(loops, SamplingParams(max_new_tokens=n_new, stop_token_ids=(stop,), logprobs=True))
+    assert [c[0].token_ids for c in got] == want
+    st = eng.lookup_stats
+    assert st.accepted > st.proposed / 2 and st.forwards < n_new * 0.7, st  # several tokens per forward
+    for p, c in zip(loops[::5], got[::5], strict=True):
+        x = torch.tensor([p + c[0].token_ids])
+        with torch.no_grad():
+            logits = model(x).logits[0, len(p) - 1:-1].float()
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(c[0].token_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(c[0].logprobs), lp, atol=1e-4)
+
+
+def test_lookup_guesses_follow_the_longest_match_at_its_first_occurrence():
+    from train.generation.ngram import Lookup
+
+    look = Lookup([1, 2, 5, 8, 1, 2, 6, 8, 1, 2])
+    assert look.propose(3) == [6, 8, 1]          # (8, 1, 2) beats (1, 2), whose first continuation is 5
+    look.extend([4])
+    assert look.propose(5) == []                 # (2, 4) and (4,) never occurred before
+    look.extend([1, 2])
+    assert look.propose(2) == [5, 8]             # (4, 1, 2) never occurred: (1, 2) at its first occurrence
+    assert Lookup([7]).propose(4) == [] and Lookup([7, 7]).propose(3) == [7]
 
 
 def test_vocabulary_padding_rows_are_never_generated(setup):

@@ -4,7 +4,8 @@ The model is the demo's SFT checkpoint (`make demo` → demo-out/sft), exported 
 - Parity: `gsm8k_cot` on N items (train eval's path: train.eval.generative + the engine) and lm-eval 0.4.13
   (simple_evaluate, HF backend, a local task YAML including its gsm8k-cot.yaml over the same docs) with the
   same generation settings: generations, extracted answers (strict-match, flexible-extract) and per-item
-  exact_match compared item by item. `ifeval` likewise on every one of the 541 prompts (chat template on,
+  exact_match compared item by item, against lm-eval at batch size 1 (its batched output depends on the
+  batch, see the report) and at the first --lm-eval-batch. `ifeval` likewise on every one of the 541 prompts (chat template on,
   max_gen_toks lowered with --ifeval-tokens to keep the run short): generations and per-instruction
   results compared.
 - Speed: items/s of the whole call on the first --speed-items gsm8k_cot items (model load, prompts,
@@ -35,12 +36,16 @@ import time
 from pathlib import Path
 
 
-def ours(folder: str, spec: str, limit: int | None, max_new_tokens: int | None, batch: int) -> tuple[dict, float]:
+def ours(folder: str, spec: str, limit: int | None, max_new_tokens: int | None, batch: int,
+         lookup: int | None = None) -> tuple[dict, float]:
     from train.eval.config import GenerationEvalConfig
     from train.eval.hf import generate_hf
 
+    cfg = GenerationEvalConfig(max_new_tokens=max_new_tokens, batch_size=batch)
+    if lookup is not None:
+        cfg.prompt_lookup = lookup
     t0 = time.perf_counter()
-    res = generate_hf(folder, [spec], limit, GenerationEvalConfig(max_new_tokens=max_new_tokens, batch_size=batch))
+    res = generate_hf(folder, [spec], limit, cfg)
     return next(iter(res.values())), time.perf_counter() - t0
 
 
@@ -136,19 +141,25 @@ def speed(folder: str, work: str, task: str, args) -> dict:
         _, tries[b] = lmeval(folder, yaml_path, path, os.path.join(work, f"{task}-try{b}"), b, chat, new)
         print(f"{task}: lm-eval batch {b}: {tries[b]:.1f} s", flush=True)
     best = min(tries, key=tries.get)
-    t_ours, t_ref = [], []
+    t_ours, t_ref, t_plain = [], [], []
     for r in range(args.rounds):
-        for side in (("ours", "lm-eval") if r % 2 == 0 else ("lm-eval", "ours")):
+        for side in (("ours", "lm-eval", "plain") if r % 2 == 0 else ("plain", "lm-eval", "ours")):
             if side == "ours":
                 mine, dt = ours(folder, f"{task}={path}", None, new, args.batch)
                 t_ours.append(dt)
+            elif side == "plain":
+                plain, dt = ours(folder, f"{task}={path}", None, new, args.batch, lookup=0)
+                t_plain.append(dt)
+                if [it["generation"] for it in plain["items"]] != [it["generation"] for it in mine["items"]]:
+                    sys.exit(f"{task}: generations with and without prompt lookup differ")
             else:
                 _, dt = lmeval(folder, yaml_path, path, os.path.join(work, f"{task}-r{r}"), best, chat, new)
                 t_ref.append(dt)
             print(f"{task} round {r} {side}: {dt:.1f} s", flush=True)
-    n = len(docs)
+    n, look = len(docs), mine.get("prompt_lookup", {"forwards": 0, "proposed": 0, "accepted": 0})
     return {"task": task, "items": n, "max_new": mine["max_new_tokens"], "best": best,
             "ours": n / statistics.median(t_ours), "ref": n / statistics.median(t_ref),
+            "plain": n / statistics.median(t_plain), "lookup": look,
             "ended": sum(it["finish_reason"] == "stop" for it in mine["items"])}
 
 
@@ -218,7 +229,7 @@ def main() -> None:
     ap.add_argument("--speed-tasks", default="gsm8k_cot,gsm8k_cot_chat,ifeval", help="tasks timed against lm-eval")
     ap.add_argument("--batch", type=int, default=32, help="our engine's batch size")
     ap.add_argument("--lm-eval-batch", default="8,32,64", help="lm-eval batch sizes to try (its best is timed; "
-                    "the first runs the parity check)")
+                    "the first also runs the parity checks, gsm8k_cot besides batch 1)")
     ap.add_argument("--ifeval-tokens", type=int, default=64, help="max_gen_toks of the IFEval parity run")
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--spec-prompts", type=int, default=8)
@@ -257,13 +268,20 @@ max_gen_toks (gsm8k_cot 256; ifeval lowered to {args.ifeval_tokens} for both sid
 """)
     if "parity" in parts:
         mine, t_mine = ours(folder, "gsm8k_cot", args.items, None, args.batch)
-        ref, t_ref0 = lmeval(folder, "gsm8k/gsm8k-cot.yaml", gdocs, os.path.join(work, "parity"), first, False, None)
+        ref, t_ref0 = lmeval(folder, "gsm8k/gsm8k-cot.yaml", gdocs, os.path.join(work, "parity"), 1, False, None)
         parity = compare(mine, ref)
-        print(f"gsm8k_cot parity {parity}: ours {t_mine:.1f} s, lm-eval (batch {first}) {t_ref0:.1f} s", flush=True)
+        batched, _ = lmeval(folder, "gsm8k/gsm8k-cot.yaml", gdocs, os.path.join(work, "parity-b"), first, False, None)
+        at_first = compare(mine, batched)
+        print(f"gsm8k_cot parity {parity} (lm-eval batch {first}: {at_first}): ours {t_mine:.1f} s, "
+              f"lm-eval (batch 1) {t_ref0:.1f} s", flush=True)
         out.append(f"""
-gsm8k_cot (8-shot) on {parity['items']} items: same generations {parity['same_generations']}, same extracted answers
-(both filters) {parity['same_answers']}, same per-item exact_match {parity['same_per_item_scores']} (ours {t_mine:.0f} s,
-lm-eval at batch {first} {t_ref0:.0f} s).
+gsm8k_cot (8-shot) on {parity['items']} items against lm-eval at batch size 1: same generations
+{parity['same_generations']}, same extracted answers (both filters) {parity['same_answers']}, same per-item exact_match
+{parity['same_per_item_scores']} (ours {t_mine:.0f} s at batch {args.batch}, lm-eval {t_ref0:.0f} s). Against lm-eval at batch {first}:
+{at_first['same_generations']} generations, {at_first['same_answers']} answers, {at_first['same_per_item_scores']} exact_match the same. lm-eval's batched output
+depends on the batch: its stop check ends the whole batch only, and it decodes without special tokens, so a row
+that writes a special stop token (`<|im_end|>`, in gsm8k-cot.yaml's `until`) goes on writing text, kept, until
+its batchmates end; at batch size 1 the row ends there, as ours does in any batch.
 """)
     if "ifeval" in parts:
         mine, _ = ours(folder, "ifeval", None, args.ifeval_tokens, args.batch)
@@ -299,11 +317,14 @@ by chance in lm-eval; ours seeds `random` per doc).
         out.append(f"""
 Speed on the first {args.speed_items} items of each task (whole call: model load, prompts, generation,
 scoring; median of {args.rounds} alternating rounds; lm-eval at its best batch size here, each of
-{args.lm_eval_batch} tried once; ours at engine batch {args.batch}):
+{args.lm_eval_batch} tried once; ours at engine batch {args.batch}, with the default prompt-lookup speculative
+decoding and without it (`eval.generation.prompt_lookup=0`: the same generations, checked every round):
 
-| task | max new tokens | ours items/s | lm-eval items/s (batch) | ours / lm-eval | rows ending before the budget |
-|---|---|---|---|---|---|
+| task | max new tokens | ours items/s | lm-eval items/s (batch) | ours / lm-eval | ours without prompt lookup | guesses kept (verifying forwards) | rows ending before the budget |
+|---|---|---|---|---|---|---|---|
 """ + "".join(f"| {r['task']} | {r['max_new']} | {r['ours']:.2f} | {r['ref']:.2f} ({r['best']}) | **{r['ours'] / r['ref']:.2f}x** "
+              f"| {r['plain']:.2f} ({r['plain'] / r['ref']:.2f}x) "
+              f"| {r['lookup']['accepted']}/{r['lookup']['proposed']} ({r['lookup']['forwards']}) "
               f"| {r['ended']}/{r['items']} |\n" for r in rows))
     if "spec" in parts:
         spec = speculative(folder, args.draft_layers, args.spec_prompts, 48)

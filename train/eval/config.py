@@ -21,6 +21,7 @@ class GenerationEvalConfig:
     chat_template: bool | None = None  # null: the task's default (off for gsm8k_cot, on for gsm8k_cot_chat and ifeval)
     batch_size: int = 32             # prompts generated together (train.generation.engine)
     backend: Literal["auto", "continuous", "padded", "vllm"] = "auto"  # auto: vllm on a GPU when installed, else transformers
+    prompt_lookup: int = 8           # greedy, padded backend: at most this many tokens guessed per row and step by prompt-lookup speculative decoding (lossless); 0: off
     speed_prompts: int = 0           # `train eval`: time greedy generation of this many prompts (batch 1) → generation_tokens_per_s; 0: off
     speed_new_tokens: int = 64       # tokens generated per prompt in that measurement
 
@@ -31,6 +32,8 @@ class GenerationEvalConfig:
             raise ConfigError(f"key 'eval.generation.max_new_tokens': must be >= 1 or null, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ConfigError(f"key 'eval.generation.batch_size': must be >= 1, got {self.batch_size}")
+        if self.prompt_lookup < 0:
+            raise ConfigError(f"key 'eval.generation.prompt_lookup': must be >= 0 (0: off), got {self.prompt_lookup}")
         if self.speed_prompts < 0 or self.speed_new_tokens < 1:
             raise ConfigError(f"key 'eval.generation.speed_prompts': >= 0 prompts of >= 1 new tokens, got "
                               f"{self.speed_prompts}, {self.speed_new_tokens}")

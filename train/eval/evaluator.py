@@ -61,7 +61,8 @@ class Generative:
 
             g = self.cfg.eval.generation
             if self.engine is None:
-                self.engine = Engine(model, self.tok, self.eos, backend=g.backend, max_batch_size=g.batch_size)
+                self.engine = Engine(model, self.tok, self.eos, backend=g.backend, max_batch_size=g.batch_size,
+                                    prompt_lookup=g.prompt_lookup)
             for t in self.tasks:
                 m, d = t.run(self.engine)
                 metrics.update(m)

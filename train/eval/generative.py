@@ -159,10 +159,15 @@ class GenerativeTask:
 
     def run(self, engine) -> tuple[dict[str, float], dict]:
         """(flat metrics `eval/<task>/<metric>`, details with every item's generation and scores)."""
+        st = getattr(engine, "lookup_stats", None)
+        before = (st.forwards, st.proposed, st.accepted) if st is not None else None
         completions = engine.generate(self.prompts, self.params())
         flat, details = self.score([self._text(c[0].token_ids) for c in completions])
         for it, c in zip(details["items"], completions, strict=True):  # "stop" or "length" (the budget ran out)
             it["finish_reason"], it["new_tokens"] = c[0].finish_reason, len(c[0].token_ids)
+        if st is not None and st.forwards > before[0]:  # prompt-lookup speculative decoding's counts
+            details["prompt_lookup"] = {"forwards": st.forwards - before[0], "proposed": st.proposed - before[1],
+                                        "accepted": st.accepted - before[2]}
         return flat, details
 
     def _text(self, tokens: list[int]) -> str:

@@ -137,7 +137,8 @@ def generate_hf(folder: str, specs: list[str], limit: int | None, gen) -> dict[s
     from train.generation.load import load
 
     model, tok, template, eos = load(folder)
-    engine = Engine(model, tok, eos, backend=gen.backend, max_batch_size=gen.batch_size)
+    engine = Engine(model, tok, eos, backend=gen.backend, max_batch_size=gen.batch_size,
+                    prompt_lookup=gen.prompt_lookup)
     out = {}
     for spec in specs:
         task = GenerativeTask(spec, limit, tok, max_length=model.config.max_position_embeddings, chat_template=template,

@@ -50,8 +50,10 @@ def chat_prompt(loaded: Loaded, messages: list[dict]) -> tuple[str, list[int]]:
 
 def generate(path: str, prompt: str, *, system: str | None = None, chat: bool = True, max_new_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, loaded: Loaded | None = None,
-             draft: Loaded | None = None, stats: list | None = None) -> Generation:
-    """Reply to `prompt` (a user message; with chat=False the raw text). Greedy when temperature is 0."""
+             draft: Loaded | None = None, prompt_lookup: int = 0, stats: list | None = None) -> Generation:
+    """Reply to `prompt` (a user message; with chat=False the raw text). Greedy when temperature is 0. With a
+    `draft` (AssistStats) or `prompt_lookup` (train.generation.ngram.Stats) speculative decoding's counts are
+    appended to `stats`."""
     loaded = loaded or load(path)
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -69,6 +71,9 @@ def generate(path: str, prompt: str, *, system: str | None = None, chat: bool = 
 
         new = assisted(loaded, draft, ids, params, stats).token_ids
     else:
-        new = Engine(loaded.model, tok, stop, backend="padded").generate([ids], params)[0][0].token_ids
+        engine = Engine(loaded.model, tok, stop, backend="padded", prompt_lookup=prompt_lookup)
+        new = engine.generate([ids], params)[0][0].token_ids
+        if prompt_lookup and stats is not None:
+            stats.append(engine.lookup_stats)
     body = new[:-1] if new and new[-1] in stop else new
     return Generation(tok.decode(body, skip_special_tokens=True), text, ids, new, stop)

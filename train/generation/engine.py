@@ -16,6 +16,9 @@ Backends (`backend`):
   SHARED_PREFIX tokens (few-shot exemplars, a system prompt, an RL group's copies of one prompt), the
   prefix is run once and copied into every row's cache; rows are laid out as [prefix][padding][rest of
   the prompt] (the attention mask and the positions skip the padding), and `generate` runs on from there.
+  With `prompt_lookup` > 0, greedy batches decode after `generate`'s prefill by prompt-lookup speculative
+  decoding (train.generation.ngram): every step checks up to that many tokens per row guessed from the
+  row's own n-grams, lossless.
 - `vllm`: vLLM's `LLM` on a GPU, its weights handed over from ours (`load_weights`), never downloaded.
 `auto` picks vLLM when it is installed and a GPU is present, else `continuous` on a GPU when the installed
 transformers has it, else `padded`: on CPU, transformers' paged attention made continuous batching 8x
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from train.generation import ngram
 from train.generation.kv_cache import keep_rows, prefilled_cache
 from train.model.cpu_compat import suspended
 
@@ -123,9 +127,13 @@ def completing_tokens(tokenizer, stops: tuple[str, ...]) -> list[bool] | None:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, eos_ids: list[int], *, backend: str = "auto", max_batch_size: int = 64):
+    def __init__(self, model, tokenizer, eos_ids: list[int], *, backend: str = "auto", max_batch_size: int = 64,
+                 prompt_lookup: int = 0):
         if backend not in BACKENDS:
             raise ValueError(f"generation backend {backend!r}: one of {', '.join(BACKENDS)}")
+        if prompt_lookup < 0:
+            raise ValueError(f"prompt_lookup must be >= 0 (guessed tokens per step), got {prompt_lookup}")
+        self.prompt_lookup, self.lookup_stats = prompt_lookup, ngram.Stats()
         self.model, self.tokenizer, self.eos_ids = model.eval(), tokenizer, list(eos_ids)
         self.max_batch_size = max_batch_size
         self.backend = resolve_backend(backend, model)
@@ -188,6 +196,8 @@ class Engine:
         cache rows dropped), so a few long answers do not keep every finished row in the computation."""
         from transformers import StoppingCriteria, StoppingCriteriaList
 
+        if self.prompt_lookup and params.temperature == 0 and ngram.supported(self.model):
+            return self._lookup_batch(prompts, params, checker)
         ids, mask, cache = prefilled_cache(self.model, prompts, params.max_new_tokens, self._pad_id())
         start = ids.shape[1]  # generated tokens begin here in every row
         toks: list[list[int]] = [[] for _ in prompts]
@@ -233,6 +243,22 @@ class Engine:
                 cache = keep_rows(cache, keep, self.model.config)
         return [Completion(toks[r], "stop" if ended[r] else "length", lps[r] if params.logprobs else None)
                 for r in range(len(prompts))]
+
+    def _lookup_batch(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
+        """One greedy batch with prompt-lookup speculative decoding (train.generation.ngram) after `generate`'s
+        prefill and first token."""
+        k = self.prompt_lookup
+        ids, mask, cache = prefilled_cache(self.model, prompts, params.max_new_tokens + k + 1, self._pad_id())
+        gen = self._generation_config(params, max_new_tokens=1, return_dict_in_generate=True,
+                                      output_logits=params.logprobs)
+        with torch.no_grad():
+            res = self.model.generate(ids, attention_mask=mask, generation_config=gen, cache=cache)
+        first = res.sequences[:, -1]
+        lps = torch.log_softmax(res.logits[0].float(), -1).gather(1, first[:, None]).squeeze(1).tolist() \
+            if params.logprobs else None
+        out = ngram.decode(self.model, prompts, mask, cache, first.tolist(), lps, params, checker, k, self._pad_id(),
+                           self.lookup_stats)
+        return [Completion(t, "stop" if e else "length", lp) for t, e, lp in out]
 
     def _continuous(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
         from transformers import ContinuousBatchingConfig

@@ -60,8 +60,15 @@ def _filled_layer_class():
 
     class FilledLayer(StaticLayer):
         is_compileable = False
+        ragged: tuple[torch.Tensor, int] | None = None  # set by `write_ragged`
 
         def update(self, key_states, value_states, *args, **kwargs):
+            if self.ragged is not None:
+                at, width = self.ragged
+                idx = (at[:, None] + torch.arange(key_states.shape[2]))[:, None, :, None]
+                self.keys.scatter_(2, idx.expand_as(key_states), key_states)
+                self.values.scatter_(2, idx.expand_as(value_states), value_states)
+                return self.keys[:, :, :width], self.values[:, :, :width]
             keys, values = super().update(key_states, value_states, *args, **kwargs)
             n = int(self.cumulative_length)
             return keys[:, :, :n], values[:, :, :n]
@@ -70,6 +77,15 @@ def _filled_layer_class():
             return int(self.get_seq_length()) + query_length, 0
 
     return FilledLayer
+
+
+def write_ragged(cache, at: torch.Tensor, width: int) -> None:
+    """The next forward writes row b's keys at positions at[b], at[b] + 1, ... (rows of one batch at their own
+    lengths: speculative decoding accepts a different number of tokens per row) and gives attention the first
+    `width` positions of every row; the caller's 4-D mask hides what a row has not filled."""
+    for layer in cache.layers:
+        layer.ragged = (at, width)
+        layer.cumulative_length.fill_(width)
 
 
 def keep_rows(cache, rows: list[int], config):
