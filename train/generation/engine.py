@@ -193,7 +193,8 @@ class Engine:
 
     def _padded_batch(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
         """One batch, decoded CHUNK steps at a time; after each chunk the rows that ended leave the batch (their
-        cache rows dropped), so a few long answers do not keep every finished row in the computation."""
+        cache rows dropped), so a few long answers do not keep every finished row in the computation. Greedy
+        with `prompt_lookup`: `_lookup_batch` instead."""
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         if self.prompt_lookup and params.temperature == 0 and ngram.supported(self.model):
