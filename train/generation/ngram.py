@@ -6,7 +6,7 @@ kept guess comes with it. The output is the model's own greedy output; only the 
 This is vLLM's `ngram` method and transformers' `prompt_lookup_num_tokens` (which runs at batch size 1 only),
 batched here over the padded backend's static cache. A small model's decode step on CPU costs its per-op
 dispatch more than its arithmetic, so a step over 1 + m tokens per row costs far less than 1 + m steps
-(about 1 + 0.15 m for the demo model on 2 cores: TOKEN_COST); how many guesses a step checks is chosen from
+(TOKEN_COST, a setting tuned by hand on the demo model on 2 cores: about 1 + 0.15 m); how many guesses a step checks is chosen from
 that cost and each row's rate of kept guesses so far (`_Run.draft_length`).
 
 Rows accept different numbers of tokens, so each keeps its own length in the cache: a step writes row b's
