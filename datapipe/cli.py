@@ -106,7 +106,7 @@ def tokenizer_train(sources, vocab_size, output, text_field, eos_token, max_docs
     def texts():
         n = 0
         for r, f in enumerate(files):
-            for _, text, _, err in reader._records(f, src):
+            for _, text, _, err, *_ in reader._records(f, src):
                 if err is None and text.strip():
                     yield text
                     n += 1

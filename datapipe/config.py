@@ -5,13 +5,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from datapipe.executorconfig import ExecutorConfig
 from datapipe.filterspec import FilterSpec
+from datapipe.kinds.config import KindsConfig, RedactConfig, check_chain
 from storage.config import ConfigError
 from storage.manifest import Phase
 
 # dataset folders the build writes beside the sources' shard folders
 RESERVED_NAMES = ("rejects", "validation")
-FILTER_TYPES = ("gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext")
+FILTER_TYPES = ("gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext", "code",
+                "math_density")
 
 
 def fineweb_filters() -> list[FilterSpec]:
@@ -45,8 +48,13 @@ class ChatConfig:
 class SourceConfig:
     name: str
     paths: list[str]
-    language: str | None = None  # known language of every document (no identification), e.g. zh
-    languages: list[str] | None = None  # keep only documents identified as one of these (others: rejects/langid)
+    # web: prose (FineWeb's rules); code: source files (The Stack's rules, secrets redacted, code shingles);
+    # math: prose with formulas (kept as written, masked from the prose rules, math density measured)
+    kind: Literal["web", "code", "math"] = "web"
+    # known language of every document (no identification), e.g. zh; code: the programming language, e.g. python
+    language: str | None = None
+    # keep only documents identified as one of these (others: rejects/langid); code: programming languages
+    languages: list[str] | None = None
     min_language_score: float | None = None  # keep only documents identified with at least this score
     # chat: JSONL of `messages` or `prompt`/`completion` records, rendered by `chat.template`;
     # preference: JSONL of `prompt`/`chosen`/`rejected` pairs, both sides rendered by `chat.template`;
@@ -54,7 +62,8 @@ class SourceConfig:
     format: Literal["auto", "jsonl", "parquet", "text", "chat", "preference", "prompts"] = "auto"
     text_field: str = "text"
     id_field: str | None = "id"
-    filters: list[FilterSpec] | None = None  # None: the build's default_filters ([] for chat, preference, prompts)
+    filters: list[FilterSpec] | None = None  # None: the kind's chain (web: default_filters; [] for chat, ...)
+    redact: RedactConfig | None = None  # None: the kind's (kinds.code.redact, kinds.math.redact; web: none)
     chat: ChatConfig = field(default_factory=ChatConfig)  # used when format is chat, preference or prompts
 
     @property
@@ -75,8 +84,8 @@ class SourceConfig:
         return self.format in ("chat", "preference", "prompts")
 
     @property
-    def kind(self) -> str:
-        """The manifest's `SourceInfo.kind` of this source."""
+    def record_kind(self) -> str:
+        """The manifest's `SourceInfo.kind` of this source (what its records are: text, chat, ...)."""
         return {"chat": "chat", "preference": "preference", "prompts": "prompts"}.get(self.format, "text")
 
     def validate(self) -> None:
@@ -88,6 +97,17 @@ class SourceConfig:
         if self.is_prompts and self.chat.truncate:
             raise ConfigError(f"source {self.name!r}: key 'chat.truncate': prompts are never truncated (a cut prompt "
                               "loses its question and generation prompt); longer ones are rejected as too_long")
+        if self.kind != "web" and self.is_templated:
+            raise ConfigError(f"source {self.name!r}: key 'kind': {self.kind} sources are read as jsonl, parquet or "
+                              f"text, not format {self.format!r}")
+        if self.kind == "code" and self.min_language_score is not None:
+            raise ConfigError(f"source {self.name!r}: key 'min_language_score': a code source's languages are "
+                              "programming languages, named by file extension, not scored")
+        if self.filters is not None:
+            try:
+                check_chain(self.filters, self.kind, "filters")
+            except ConfigError as e:
+                raise ConfigError(f"source {self.name!r}: {e}") from None
         if self.min_language_score is not None and not 0 <= self.min_language_score <= 1:
             raise ConfigError(f"source {self.name!r}: min_language_score must be in [0, 1], got "
                               f"{self.min_language_score}")
@@ -257,43 +277,6 @@ class MixConfig:
 
 
 @dataclass
-class SlurmSettings:
-    partition: str = "cpu"
-    time: str = "04:00:00"
-    cpus_per_task: int = 1
-    mem_per_cpu_gb: int = 2
-    job_name: str = "datapipe"
-    venv_path: str | None = None  # venv (folder or its bin/activate) the jobs run in; None: the building python
-    sbatch_args: dict[str, str] = field(default_factory=dict)
-    wait: bool = False  # stay until the job chain has finished and report failed tasks (also `--wait`)
-    retries: int = 1  # with wait: resubmissions of the chain after a failure (finished tasks are kept)
-
-    def validate(self) -> None:
-        if self.retries < 0:
-            raise ConfigError(f"key 'executor.slurm.retries': must be >= 0, got {self.retries}")
-
-
-@dataclass
-class RaySettings:
-    address: str | None = None  # None: start a local Ray; else join that cluster (e.g. 10.0.0.1:6379)
-    num_cpus: int | None = None  # CPUs of a local Ray (None: all); a joined cluster has its own
-    cpus_per_task: int = 1
-    max_retries: int = 3  # reruns of a task whose worker process or node died (not of one that raised)
-
-    def validate(self) -> None:
-        if self.max_retries < 0:
-            raise ConfigError(f"key 'executor.ray.max_retries': must be >= 0, got {self.max_retries}")
-
-
-@dataclass
-class ExecutorConfig:
-    kind: Literal["local", "slurm", "ray"] = "local"
-    workers: int = 1  # tasks at once on the local executor (Ray and Slurm: as many as the cluster's CPUs)
-    slurm: SlurmSettings = field(default_factory=SlurmSettings)
-    ray: RaySettings = field(default_factory=RaySettings)
-
-
-@dataclass
 class BuildConfig:
     output: str = "data/demo"
     sources: list[SourceConfig] = field(default_factory=list)  # empty: the embedded stdlib demo corpus
@@ -307,6 +290,7 @@ class BuildConfig:
     # per-language filter parameters over the shipped ones (datapipe/assets/languages): {fr: {gopher_quality:
     # {min_stop_words: 3}}}; the key `default` sets those of languages without settings
     language_filters: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    kinds: KindsConfig = field(default_factory=KindsConfig)  # the code and math kinds' chains and redaction
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -318,6 +302,7 @@ class BuildConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        check_chain(self.default_filters, "web", "default_filters")
         if self.max_task_bytes is not None and self.max_task_bytes < 1024:
             raise ConfigError(f"key 'max_task_bytes': must be >= 1024 (or null), got {self.max_task_bytes}")
         names = [s.name for s in self.sources]
@@ -341,19 +326,31 @@ class BuildConfig:
         from datapipe.filters import per_language_params
         from datapipe.langsettings import check_code, check_overrides
 
+        from datapipe.kinds.codelang import check_name
+
         for i, s in enumerate(self.sources):
+            check = check_name if s.kind == "code" else check_code
             if s.language is not None:
-                check_code(s.language, f"sources.{i}.language")
+                check(s.language, f"sources.{i}.language")
             for j, code in enumerate(s.languages or []):
-                check_code(code, f"sources.{i}.languages.{j}")
+                check(code, f"sources.{i}.languages.{j}")
+            if s.kind == "code":
+                continue
             if not self.langid.enabled and (s.languages or s.min_language_score is not None):
                 raise ConfigError(f"key 'sources.{i}.languages': needs langid.enabled (documents are not identified)")
         check_overrides(self.language_filters, per_language_params())
 
     def filters_for(self, src: SourceConfig) -> list[FilterSpec]:
-        if src.filters is None:
-            return [] if src.is_templated else self.default_filters
-        return src.filters
+        if src.filters is not None:
+            return src.filters
+        if src.is_templated:
+            return []
+        return {"code": self.kinds.code.filters, "math": self.kinds.math.filters}.get(src.kind, self.default_filters)
+
+    def redact_for(self, src: SourceConfig) -> RedactConfig:
+        if src.redact is not None:
+            return src.redact
+        return {"code": self.kinds.code.redact, "math": self.kinds.math.redact}.get(src.kind, RedactConfig())
 
     @property
     def chat_template(self) -> str | None:

@@ -6,9 +6,10 @@ A task's documents are numbered twice: `pos`, the position in the stream after r
 (both deterministic, so a re-read reproduces it), and the post-filter index, the position among the
 documents that passed the filters (the numbering of exact and near-duplicate removals, and of MinHash
 signature files). `kept/{rank}.npy` maps post-filter index to `pos`; `edits/{rank}.json.gz` holds the
-rewrites filters made (C4 drops lines) as line references, not copies; `langs/{rank}.json.gz` the language
-labels of the kept documents (language, script, score, settings), which a re-read puts back in their
-metadata, so the duplicates' and decontamination's rejects carry them too.
+rewrites filters made (C4 drops lines, redaction) as line references, not copies; `langs/{rank}.json.gz` the
+labels of the kept documents (language, script, score, settings; programming language; math density),
+which a re-read puts back in their metadata, so the duplicates' and decontamination's rejects carry them
+too, and hold the text the filters passed on.
 """
 from __future__ import annotations
 
@@ -33,15 +34,16 @@ def kept_path(work: str, rank: int) -> str:
 
 
 def line_edit(orig: str, final: str) -> list | str:
-    """How a filter rewrote a document (C4 drops and strips lines): the final text as parts, each the
-    index of an original line (stripped) or a literal line; the whole final text when that is no shorter."""
+    """How a filter rewrote a document (C4 drops and strips lines; redaction replaces a few lines): the
+    final text as parts, each the index k of an original line (stripped), ~k (the line as it was: code
+    keeps its indentation) or a literal line; the whole final text when that is no shorter."""
     lines, parts, j = orig.splitlines(), [], 0
     for f in final.split("\n"):
         k = j
-        while k < len(lines) and lines[k].strip() != f:
+        while k < len(lines) and lines[k].strip() != f and lines[k] != f:
             k += 1
         if k < len(lines):
-            parts.append(k)
+            parts.append(k if lines[k].strip() == f else ~k)
             j = k + 1
         else:
             parts.append(f)
@@ -54,10 +56,11 @@ def apply_edit(orig: str, edit: list | str) -> str:
     if isinstance(edit, str):
         return edit
     lines = orig.splitlines()
-    return "\n".join(lines[p].strip() if isinstance(p, int) else p for p in edit)
+    return "\n".join(p if isinstance(p, str) else lines[p].strip() if p >= 0 else lines[~p] for p in edit)
 
 
-_LABELS = ("language", "script", "language_score", "language_settings")
+# what the scan stage learnt about a kept document that a re-read puts back in its metadata
+_LABELS = ("language", "script", "language_score", "language_settings", "code_language", "math_density", "formulas")
 
 
 def langs_path(work: str, rank: int) -> str:
@@ -138,8 +141,10 @@ class Select(PipelineStep):
             if pos != kept[i]:
                 continue
             idx, i = i, i + 1
-            if idx < len(labels) and labels[idx][0] is not None:
-                doc.metadata.update(zip(_LABELS, labels[idx]))
+            if idx < len(labels):
+                doc.metadata.update((k, v) for k, v in zip(_LABELS, labels[idx]) if v is not None)
+            if idx in edits:  # the text the filters passed on (C4's line rules, redaction), also in rejects
+                doc.text = apply_edit(doc.text, edits[idx])
             for removed, writer, label, reason in ((exact, exact_writer, "exact_dup", "exact duplicate"),
                                                    (near, near_writer, "near_dup", "near duplicate")):
                 if idx in removed:
@@ -149,8 +154,6 @@ class Select(PipelineStep):
                         writer.write(doc, rank)
                     break
             else:
-                if idx in edits:
-                    doc.text = apply_edit(doc.text, edits[idx])
                 self.stat_update("forwarded")
                 yield doc
         if i != len(kept):

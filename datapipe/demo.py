@@ -1,8 +1,10 @@
 """The embedded demo corpus for `datapipe build` with no config (and `make demo`).
 
 Harvested at run time from what every Python install has, so the repository ships no third-party text:
-`stdlib` = docstrings of the standard library's modules (read with `ast`, nothing is imported) and
-`topics` = the help topics of `pydoc_data`. Written as JSONL under the output folder.
+`stdlib` = docstrings of the standard library's modules (read with `ast`, nothing is imported),
+`topics` = the help topics of `pydoc_data`, and `code` = the standard library's own `.py` files (a `kind:
+code` source: The Stack's filters, secrets and e-mail addresses redacted, code shingles). Written as JSONL
+(records with `path` and `text`) under the output folder.
 """
 from __future__ import annotations
 
@@ -18,32 +20,54 @@ from storage import atomic
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")  # reserved in the demo tokenizer for the SFT stage
 
 
+_SKIP_DIRS = ("test", "tests", "site-packages", "idlelib", "lib2to3", "__pycache__")
+
+
+def stdlib_files() -> list[str]:
+    """The standard library's `.py` files (tests, IDLE, lib2to3 and site-packages left out), sorted."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        out += [os.path.join(dirpath, fn) for fn in sorted(filenames) if fn.endswith(".py")]
+    return out
+
+
+def stdlib_code() -> list[dict]:
+    """The standard library's source files as code records: `{"id", "path", "text"}`, undecodable ones
+    left out (the build would reject them as not UTF-8)."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for path in stdlib_files():
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        try:
+            with open(path, encoding="utf-8") as f:
+                out.append({"id": rel, "path": rel, "text": f.read()})
+        except (UnicodeDecodeError, OSError):
+            continue
+    return out
+
+
 def _stdlib_docs(limit: int) -> list[dict]:
     root = sysconfig.get_paths()["stdlib"]
     docs = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib",
-                                                              "lib2to3", "__pycache__") and not d.startswith("."))
-        for fn in sorted(filenames):
-            if not fn.endswith(".py"):
-                continue
-            path = os.path.join(dirpath, fn)
-            try:
-                with open(path, encoding="utf-8") as f:
-                    tree = ast.parse(f.read())
-            except (SyntaxError, UnicodeDecodeError, OSError):
-                continue
-            parts = []
-            for node in [tree, *ast.walk(tree)]:
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and doc not in parts:
-                        parts.append(doc)
-            text = "\n\n".join(parts)
-            if len(text) > 200:
-                docs.append({"id": os.path.relpath(path, root), "text": text})
-            if len(docs) >= limit:
-                return docs
+    for path in stdlib_files():
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        parts = []
+        for node in [tree, *ast.walk(tree)]:
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and doc not in parts:
+                    parts.append(doc)
+        text = "\n\n".join(parts)
+        if len(text) > 200:
+            docs.append({"id": os.path.relpath(path, root), "text": text})
+        if len(docs) >= limit:
+            return docs
     return docs
 
 
@@ -59,7 +83,7 @@ def demo_config(output: str, limit: int = 400, base: BuildConfig | None = None) 
     tokenizer (ChatML's control tokens reserved, for the SFT stage) and mix where `base` leaves them at
     their defaults."""
     src_dir = os.path.join(output, "_demo_input")
-    for name, docs in (("stdlib", _stdlib_docs(limit)), ("topics", _topics())):
+    for name, docs in (("stdlib", _stdlib_docs(limit)), ("topics", _topics()), ("code", stdlib_code())):
         atomic.write_bytes(os.path.join(src_dir, f"{name}.jsonl"), "".join(json.dumps(d) + "\n" for d in docs).encode())
     relaxed = [FilterSpec("gopher_quality", {"min_doc_words": 20, "max_non_alpha_words_ratio": 0.5}),
                FilterSpec("fineweb", {"line_punct_thr": 0.05, "short_line_thr": 0.9, "char_duplicates_ratio": 0.2,
@@ -68,12 +92,13 @@ def demo_config(output: str, limit: int = 400, base: BuildConfig | None = None) 
     return dataclasses.replace(
         base, output=output,
         sources=[SourceConfig("stdlib", [os.path.join(src_dir, "stdlib.jsonl")], filters=relaxed),
-                 SourceConfig("topics", [os.path.join(src_dir, "topics.jsonl")], filters=relaxed)],
+                 SourceConfig("topics", [os.path.join(src_dir, "topics.jsonl")], filters=relaxed),
+                 SourceConfig("code", [os.path.join(src_dir, "code.jsonl")], kind="code")],
         tokenizer=TokenizerConfig(vocab_size=4096, special_tokens=list(CHATML_TOKENS))
         if base.tokenizer == TokenizerConfig() else base.tokenizer,
         mix=base.mix if base.mix.phases else MixConfig(phases=[
-            PhaseSpec("stable", {"stdlib": 0.7, "topics": 0.3}, fraction=0.8),
-            PhaseSpec("decay", {"stdlib": 0.5, "topics": 0.5}, fraction=0.2)]),
+            PhaseSpec("stable", {"stdlib": 0.6, "topics": 0.25, "code": 0.15}, fraction=0.8),
+            PhaseSpec("decay", {"stdlib": 0.45, "topics": 0.3, "code": 0.25}, fraction=0.2)]),
     )
 
 
@@ -88,37 +113,35 @@ def chat_docs(limit: int = 3000) -> list[dict]:
     `def` line read from the source. Deterministic: the same Python gives the same conversations."""
     root = sysconfig.get_paths()["stdlib"]
     out: list[dict] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib",
-                                                              "lib2to3", "__pycache__") and not d.startswith("."))
-        for fn in sorted(f for f in filenames if f.endswith(".py") and not f.startswith("_")):
-            path = os.path.join(dirpath, fn)
-            module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    tree = ast.parse(f.read())
-            except (SyntaxError, UnicodeDecodeError, OSError):
+    for path in stdlib_files():
+        if os.path.basename(path).startswith("_"):
+            continue
+        module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        nodes = [(node, getattr(node, "name", "")) for node in tree.body]
+        nodes += [(m, f"{c.name}.{getattr(m, 'name', '')}") for c in tree.body if isinstance(c, ast.ClassDef)
+                  for m in c.body]
+        for node, qual in nodes:
+            if not isinstance(node, (ast.ClassDef, ast.FunctionDef)) or node.name.startswith("_"):
                 continue
-            nodes = [(node, getattr(node, "name", "")) for node in tree.body]
-            nodes += [(m, f"{c.name}.{getattr(m, 'name', '')}") for c in tree.body if isinstance(c, ast.ClassDef)
-                      for m in c.body]
-            for node, qual in nodes:
-                if not isinstance(node, (ast.ClassDef, ast.FunctionDef)) or node.name.startswith("_"):
-                    continue
-                doc = ast.get_docstring(node)
-                answer = doc.split("\n\n")[0].strip() if doc else ""
-                if len(answer) < 40:
-                    continue
-                name, k = f"{module}.{qual}", len(out)
-                messages = [{"role": "user", "content": _QUESTIONS[k % len(_QUESTIONS)].format(name=name)},
-                            {"role": "assistant", "content": " ".join(answer.split())[:600]}]
-                if k % 3 == 0 and isinstance(node, ast.FunctionDef):
-                    messages.insert(0, {"role": "system", "content": "You are a concise Python assistant."})
-                    messages += [{"role": "user", "content": "What is its signature?"},
-                                 {"role": "assistant", "content": f"`def {node.name}({ast.unparse(node.args)})`"}]
-                out.append({"id": f"chat/{name}", "messages": messages})
-                if len(out) >= limit:
-                    return out
+            doc = ast.get_docstring(node)
+            answer = doc.split("\n\n")[0].strip() if doc else ""
+            if len(answer) < 40:
+                continue
+            name, k = f"{module}.{qual}", len(out)
+            messages = [{"role": "user", "content": _QUESTIONS[k % len(_QUESTIONS)].format(name=name)},
+                        {"role": "assistant", "content": " ".join(answer.split())[:600]}]
+            if k % 3 == 0 and isinstance(node, ast.FunctionDef):
+                messages.insert(0, {"role": "system", "content": "You are a concise Python assistant."})
+                messages += [{"role": "user", "content": "What is its signature?"},
+                             {"role": "assistant", "content": f"`def {node.name}({ast.unparse(node.args)})`"}]
+            out.append({"id": f"chat/{name}", "messages": messages})
+            if len(out) >= limit:
+                return out
     return out
 
 

@@ -14,7 +14,7 @@ import sys
 from datatrove.executor.base import DistributedEnvVars, PipelineExecutor
 from datatrove.executor.local import LocalPipelineExecutor
 
-from datapipe.config import ExecutorConfig
+from datapipe.executorconfig import ExecutorConfig
 from storage.lifecycle import die_with_parent, managers_die_with_parent
 
 

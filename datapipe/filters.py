@@ -30,6 +30,8 @@ from datatrove.utils.text import split_into_words
 
 from datapipe.filterspec import FilterSpec
 from datapipe.fastfilters import FastC4QualityFilter, FastGopherQualityFilter
+from datapipe.kinds.codefilter import CodeQualityFilter
+from datapipe.kinds.mathtext import MathDensityFilter
 from datapipe.langsettings import filter_params
 from datapipe.rejects import RejectsWriter
 from datapipe.wordtok import ELIDING, FastWordTokenizer
@@ -43,6 +45,8 @@ _CLASSES: dict[str, type[BaseFilter]] = {
     "fineweb": FineWebQualityFilter,
     "language": LanguageFilter,
     "fasttext": FastTextClassifierFilter,
+    "code": CodeQualityFilter,
+    "math_density": MathDensityFilter,
 }
 _RESERVED = {"exclusion_writer", "language", "model_url"}
 

@@ -9,5 +9,6 @@ from typing import Any, Literal
 @dataclass
 class FilterSpec:
     """One datatrove filter; `params` are its constructor's keyword arguments (thresholds)."""
-    type: Literal["gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext"]
+    type: Literal["gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext",
+                  "code", "math_density"]
     params: dict[str, Any] = field(default_factory=dict)

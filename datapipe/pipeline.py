@@ -57,7 +57,7 @@ from datapipe.normalize import Normalize
 from datapipe.rejects import RejectsWriter
 from datapipe.shardout import ShardOut, WriteValidation, source_infos, task_info_path
 from datapipe.sources import SourceReader, check_fields, expand_sources
-from datapipe.steps import CountsDump, PerSourceFilters, PrepareTokenizer
+from datapipe.steps import COUNT_PREFIXES, CountsDump, PerSourceFilters, PrepareTokenizer
 from datapipe.tokenize import TokenizeStep, check_special_tokens, load_tokenizer, tokenizer_info
 from datapipe.workfiles import load_npy, read_json
 from storage import config as cfgmod
@@ -105,7 +105,8 @@ class Build:
         self.files = expand_sources(cfg.sources, cfg.max_task_bytes)
         self.srcmap = {s.name: s for s in cfg.sources}
         for i, s in enumerate(cfg.sources):
-            check_specs(cfg.filters_for(s), f"sources.{i}.filters" if s.filters is not None else "default_filters")
+            default = {"code": "kinds.code.filters", "math": "kinds.math.filters"}.get(s.kind, "default_filters")
+            check_specs(cfg.filters_for(s), f"sources.{i}.filters" if s.filters is not None else default)
         check_fields(self.files, self.srcmap)
         if cfg.langid.enabled and any(not s.language for s in cfg.sources):
             known = load_model(cfg.langid).languages  # a missing or unreadable model fails here, before any stage
@@ -131,6 +132,21 @@ class Build:
     def w(self, *parts: str) -> str:
         return os.path.join(self.work, *parts)
 
+    @property
+    def kinds(self) -> dict[str, str]:
+        return {s.name: s.kind for s in self.cfg.sources}
+
+    def _redactors(self) -> dict:
+        """Source → Redactor, for the sources that redact (their read rejects are redacted too)."""
+        from datapipe.kinds.redact import Redactor
+
+        out = {}
+        for s in self.cfg.sources:
+            r = self.cfg.redact_for(s)
+            if r.enabled:
+                out[s.name] = Redactor(r.secrets, r.emails, r.ip_addresses)
+        return out
+
     def _prepare_dirs(self, fresh: bool) -> None:
         # an interrupted run's temporary files (storage.atomic's rule): removed and counted, never published
         for root in dict.fromkeys((self.out, self.work)):
@@ -154,8 +170,8 @@ class Build:
             return RejectsWriter(os.path.join(self.rejects, name))
 
         reader = SourceReader(self.files, self.srcmap, self.rejects, cfg.normalize.max_chars, cfg.normalize,
-                              self.chat_template)
-        norm = Normalize(cfg.normalize, rej("normalize"))
+                              self.chat_template, cfg.kinds.code.fields, self._redactors())
+        norm = Normalize(cfg.normalize, rej("normalize"), self.kinds)
         scan = [reader, norm,
                 FilterAndRecord(PerSourceFilters(cfg, self.files, self.rejects, self.w("counts", "filters")),
                                 self.work),
@@ -187,7 +203,8 @@ class Build:
                                            rej("decontaminate")))
         tok_steps.append(TokenizeStep(tok_path, cfg.tokenizer.eos_token, self.shard_out(),
                                       [f.source for f in self.files], cfg.tokenizer.batch_size,
-                                      {s.name: s.chat for s in cfg.sources if s.is_templated}, self.rejects))
+                                      {s.name: s.chat for s in cfg.sources if s.is_templated}, self.rejects,
+                                      self.kinds))
         stages.append(Stage("tokenize", tok_steps, F))
         return stages
 
@@ -209,14 +226,14 @@ class Build:
         """Reader + normaliser (no rejects: the scan stage wrote them) + the scan and dedup decisions."""
         cfg = self.cfg
         return [SourceReader(self.files, self.srcmap, None, cfg.normalize.max_chars, cfg.normalize,
-                             self.chat_template),
-                Normalize(cfg.normalize),
+                             self.chat_template, cfg.kinds.code.fields),
+                Normalize(cfg.normalize, kinds=self.kinds),
                 Select(self.work, cfg.dedup.exact_parts if cfg.dedup.exact else 0, near_dir, exact_writer, near_writer)]
 
     def shard_out(self) -> ShardOut:
         cfg = self.cfg
         return ShardOut(self.out, self.work, os.path.join(self.out, "tokenizer.json"), cfg.shards.block_tokens, cfg.shards.shard_blocks,
-                        cfg.validation, {s.name: s.kind if s.is_preference or s.is_prompts else None
+                        cfg.validation, {s.name: s.record_kind if s.is_preference or s.is_prompts else None
                                          for s in cfg.sources})
 
     def final_stages(self) -> list[Stage]:
@@ -262,7 +279,7 @@ class Build:
         stats, ranks_of = self.source_stats(), self.ranks_of()
         left = {}
         for s in self.cfg.sources:
-            train, val = source_infos(self.work, s.name, ranks_of[s.name], s.kind)
+            train, val = source_infos(self.work, s.name, ranks_of[s.name], s.record_kind)
             left[s.name] = train.documents + val.documents
         warnings = emptycheck.check(self.cfg, left, stats, "dedup and decontamination")
         # sources the scan check already reported are not reported again
@@ -319,7 +336,7 @@ class Build:
                     add(st, k, v)
             add(st, "dropped_normalize", read["normalize"].get("dropped", 0))
             for k, v in read_json(self.w("counts", "filters", f"{r:05d}.json")).items():
-                add(st, k if "language:" in k else f"dropped_{k}", v)
+                add(st, k if k.startswith(COUNT_PREFIXES) else f"dropped_{k}", v)
             if scan_only:
                 add(st, "kept", len(load_npy(kept_path(self.work, r), np.uint32)))
                 continue
@@ -331,7 +348,7 @@ class Build:
                 counts = read_json(task_info_path(self.work, r)).get("counts", {})
                 keys = {"preference": ("dropped_too_long", "truncated", "loss_tokens", "dropped_prompt_too_long"),
                         "prompts": ("dropped_too_long", "with_answer")}.get(
-                    self.srcmap[f.source].kind, ("dropped_too_long", "truncated", "loss_tokens"))
+                    self.srcmap[f.source].record_kind, ("dropped_too_long", "truncated", "loss_tokens"))
                 for k in keys:
                     add(st, k, counts.get(k, 0))
         return out
@@ -356,10 +373,11 @@ class Build:
         validation: dict[str, SourceInfo] = {}
         ranks_of = self.ranks_of()
         for s in self.cfg.sources:
-            info, val = source_infos(self.work, s.name, ranks_of[s.name], s.kind)
+            info, val = source_infos(self.work, s.name, ranks_of[s.name], s.record_kind)
             info.stats = {**stats.get(s.name, {}), "documents": info.documents, "tokens": info.tokens,
                           "validation_documents": val.documents, "validation_tokens": val.tokens}
-            info.kind = val.kind = s.kind
+            info.kind = val.kind = s.record_kind
+            info.content = val.content = s.kind
             if s.is_preference:  # documents are sides: two per pair
                 info.stats.update(pairs=info.documents // 2, validation_pairs=val.documents // 2)
             sources[s.name] = info

@@ -37,6 +37,7 @@ def summary_lines(m: Manifest, elapsed: dict[str, float] | None = None) -> list[
                          f"held out, {st.get('with_answer', 0):,} with an answer; rejected: "
                          + ", ".join(f"{k}={v:,}" for k, v in rej.items()))
     lines += language_lines(m)
+    lines += kind_lines(m)
     by_task = m.build_stats.get("decontaminated_by_task") or {}
     if by_task:
         lines.append("decontaminated per task: " + ", ".join(f"{k}={v:,}" for k, v in by_task.items()))
@@ -62,6 +63,51 @@ def language_lines(m: Manifest) -> list[str]:
         more = len(read) - 12
         out.append(f"languages of {name} (read → kept by the filters): " + ", ".join(parts)
                    + (f", {more} more" if more > 0 else ""))
+    return out
+
+
+def _by_prefix(stats: dict, prefix: str) -> dict[str, int]:
+    return {k[len(prefix):]: v for k, v in stats.items() if k.startswith(prefix)}
+
+
+def _read_kept(stats: dict, what: str, top: int = 12) -> str:
+    read, kept = _by_prefix(stats, f"{what}:"), _by_prefix(stats, f"kept_{what}:")
+    parts = [f"{k} {n:,} → {kept.get(k, 0):,} ({kept.get(k, 0) / n:.0%})"
+             for k, n in sorted(read.items(), key=lambda kv: (-kv[1], kv[0]))[:top]]
+    return ", ".join(parts) + (f", {len(read) - top} more" if len(read) > top else "")
+
+
+def kind_lines(m: Manifest) -> list[str]:
+    """Per code or math source: why its filters dropped documents, programming languages and licences read
+    → kept, redactions, formulas and the math density of what was kept; per kind: redactions in total."""
+    out, redacted_by_kind = [], {}
+    for name, s in m.sources.items():
+        st = s.stats
+        if s.content == "web" and not st.get("redacted_documents"):
+            continue
+        reasons = {k.split(":", 1)[1]: v for k, v in st.items() if k.startswith("dropped_") and ":" in k
+                   and not k.startswith("dropped_read:") and v}
+        if reasons and s.content != "web":
+            out.append(f"{s.content} source {name}: dropped by " + ", ".join(
+                f"{k} {v:,}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])))
+        if _by_prefix(st, "code_language:"):
+            out.append(f"programming languages of {name} (read → kept by the filters): "
+                       + _read_kept(st, "code_language"))
+        if _by_prefix(st, "license:"):
+            out.append(f"licences of {name} (read → kept by the filters): " + _read_kept(st, "license", 8))
+        red = _by_prefix(st, "redacted:")
+        if red:
+            out.append(f"redacted in {name} ({st.get('redacted_documents', 0):,} documents): "
+                       + ", ".join(f"{k} {v:,}" for k, v in sorted(red.items(), key=lambda kv: -kv[1])))
+            for k, v in red.items():
+                redacted_by_kind.setdefault(s.content, {}).setdefault(k, 0)
+                redacted_by_kind[s.content][k] += v
+        if s.content == "math":
+            hist = _by_prefix(st, "kept_math_density:")
+            out.append(f"math source {name}: {st.get('formulas', 0):,} formulas; math density of the kept documents "
+                       "(tenths): " + ", ".join(f"{k} {v:,}" for k, v in sorted(hist.items())))
+    for kind, red in sorted(redacted_by_kind.items()):
+        out.append(f"redacted in {kind} sources: " + ", ".join(f"{k} {v:,}" for k, v in sorted(red.items())))
     return out
 
 
@@ -101,4 +147,32 @@ def charts(m: Manifest, out_dir: str) -> list[str]:
     ax.set_ylabel("tokens")
     ax.set_title("Tokens per source")
     save(fig, "tokens_per_source.png")
+    langs: dict[str, list[int]] = {}
+    for s in m.sources.values():
+        for k, v in _by_prefix(s.stats, "code_language:").items():
+            langs.setdefault(k, [0, 0])[0] += v
+        for k, v in _by_prefix(s.stats, "kept_code_language:").items():
+            langs.setdefault(k, [0, 0])[1] += v
+    if langs:
+        top = sorted(langs.items(), key=lambda kv: -kv[1][0])[:20]
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.barh([k for k, _ in top], [v[0] for _, v in top], color="tab:gray", label="read")
+        ax.barh([k for k, _ in top], [v[1] for _, v in top], color="tab:green", label="kept by the filters")
+        ax.invert_yaxis()
+        ax.set_xlabel("files")
+        ax.set_title("Code files per programming language")
+        ax.legend()
+        save(fig, "code_languages.png")
+    hist: dict[str, int] = {}
+    for s in m.sources.values():
+        for k, v in _by_prefix(s.stats, "kept_math_density:").items():
+            hist[k] = hist.get(k, 0) + v
+    if hist:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        bins = [f"{b / 10:.1f}" for b in range(10)]
+        ax.bar(bins, [hist.get(b, 0) for b in bins], color="tab:purple")
+        ax.set_xlabel("math density (share of math characters), lower edge")
+        ax.set_ylabel("documents kept")
+        ax.set_title("Math density of math sources")
+        save(fig, "math_density.png")
     return paths

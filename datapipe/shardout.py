@@ -113,19 +113,23 @@ class TaskShards:
         else:
             self.train.add_group(group, meta)
 
-    def add_documents(self, doc_ids: list[str], tokens: np.ndarray, lengths: list[int]) -> None:
+    def add_documents(self, doc_ids: list[str], tokens: np.ndarray, lengths: list[int],
+                      meta: list[dict] | None = None) -> None:
         """Documents without masks, each a group of its own, concatenated in `tokens` (a batch at once:
-        what add_group does per document, without its per-call work)."""
+        what add_group does per document, without its per-call work); `meta`: one object per document or None."""
         val, off = self.out.validation, 0
         train: list[tuple[str, int, int]] = []
-        for doc_id, n in zip(doc_ids, lengths):
+        train_meta: list[dict] = []
+        for k, (doc_id, n) in enumerate(zip(doc_ids, lengths)):
             if val.enabled and holdout_score(self.source, doc_id) < val.fraction:
-                self.groups.append([doc_id, [[doc_id, n]]])
+                self.groups.append([doc_id, [[doc_id, n]]] + ([[meta[k]]] if meta is not None else []))
                 self.tokens.append(tokens[off:off + n])
             else:
                 train.append((doc_id, off, n))
+                if meta is not None:
+                    train_meta.append(meta[k])
             off += n
-        self.train.add_documents(tokens, train)
+        self.train.add_documents(tokens, train, train_meta if meta is not None else None)
 
     def close(self, counts: dict[str, int]) -> None:
         info = self.train.close()

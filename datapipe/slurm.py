@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from datatrove.executor import slurm as dt_slurm
 
-from datapipe.config import ExecutorConfig, SlurmSettings
+from datapipe.executorconfig import ExecutorConfig, SlurmSettings
 from datapipe.executors import quiet_datatrove
 from storage import atomic
 

@@ -12,14 +12,21 @@ character spans that carry loss. A bad conversation is rejected with its reason 
 `dropped_read` and `dropped_read:<reason>`. A `format: preference` source is JSONL of preference pairs,
 read into one document per pair (`datapipe.preference`); a `format: prompts` source is JSONL of RL prompts,
 each rendered up to the generation prompt (`datapipe.prompts`).
+
+A `kind: code` source gives each document `path` (a `format: text` file's path relative to its pattern's
+folder, which is also its id; else the record's path field) and, from the record's fields
+(`kinds.code.fields`), `declared_language`, `repo` and `license`. A file holding a NUL character is
+rejected as binary; the rejects of a source that redacts are redacted too (`datapipe.kinds.redact`).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import io
 import json
 import os
+import posixpath
 from dataclasses import dataclass
 
 import fsspec
@@ -28,6 +35,7 @@ from datatrove.pipeline.base import PipelineStep
 
 from storage.chat import ConversationError, render, validate_conversation
 from datapipe.config import NormalizeConfig, SourceConfig
+from datapipe.kinds.config import CodeFields
 from datapipe.normalize import normalize_text
 from datapipe.preference import read_pair
 from datapipe.prompts import read_prompt
@@ -48,6 +56,12 @@ class InputFile:
     start: int = 0
     end: int | None = None  # None: to the end of the file
     first_row: int = 0
+    rel: str = ""  # the path relative to the folder of the pattern that matched it (the id of a code file)
+    more: tuple[tuple[str, str], ...] = ()  # a code source's text files: further (url, rel) read by this task
+
+    @property
+    def members(self) -> tuple[tuple[str, str], ...]:
+        return ((self.url, self.rel),) + self.more
 
     @property
     def split(self) -> bool:
@@ -77,23 +91,57 @@ def expand_sources(sources: list[SourceConfig], max_task_bytes: int | None = Non
     when a path or glob matches nothing."""
     files: list[InputFile] = []
     for src in sources:
+        first = len(files)
         seen: set[str] = set()
+        sizes: dict[str, int] = {}
         for pattern in src.paths:
             fsys, _, paths = fsspec.get_fs_token_paths(pattern)
             paths = sorted(p for p in paths if not fsys.isdir(p))
             if not paths:
                 raise FileNotFoundError(f"source {src.name!r}: path {pattern!r} matches no readable file")
             proto = fsys.protocol if isinstance(fsys.protocol, str) else fsys.protocol[0]
+            base = _glob_base(fsys._strip_protocol(pattern))
             for p in paths:
                 url = p if proto in ("file", "local") else f"{proto}://{p}"
                 if url not in seen:
                     seen.add(url)
-                    whole = InputFile(src.name, url, _detect(url, src.format))
+                    rel = posixpath.relpath(p, base) if base and p != base else posixpath.basename(p)
+                    whole = InputFile(src.name, url, _detect(url, src.format), rel=rel)
                     if whole.fmt == "parquet":
                         files += _parquet_pieces(whole, src, max_task_bytes)
                     else:
-                        files += _byte_pieces(whole, fsys.size(p), max_task_bytes)
+                        sizes[url] = fsys.size(p)
+                        files += _byte_pieces(whole, sizes[url], max_task_bytes)
+        if src.kind == "code":
+            files[first:] = _group_files(files[first:], sizes, max_task_bytes)
     return files
+
+
+def _group_files(files: list[InputFile], sizes: dict[str, int], max_bytes: int | None,
+                 max_files: int = 4096) -> list[InputFile]:
+    """A code source's text files (one document each) read together by tasks of up to `max_bytes` (and
+    `max_files`), in order, so a tree of small files is not a task (and a shard) per file; other pieces stay."""
+    out: list[InputFile] = []
+    size = 0
+    for f in files:
+        prev = out[-1] if out else None
+        n = sizes.get(f.url, 0)
+        if f.fmt != "text" or prev is None or prev.fmt != "text" or len(prev.members) >= max_files or \
+                (max_bytes is not None and size + n > max_bytes):
+            out.append(f)
+            size = n
+        else:
+            out[-1] = dataclasses.replace(prev, more=prev.more + ((f.url, f.rel),))
+            size += n
+    return out
+
+
+def _glob_base(path: str) -> str:
+    """The folder part of a pattern before its first glob character (`a/b/**/*.py` → `a/b`)."""
+    cut = min((path.find(c) for c in "*?[" if c in path), default=-1)
+    if cut < 0:
+        return posixpath.dirname(path)
+    return posixpath.dirname(path[:cut])
 
 
 def _byte_pieces(f: InputFile, size: int, max_bytes: int | None) -> list[InputFile]:
@@ -102,7 +150,7 @@ def _byte_pieces(f: InputFile, size: int, max_bytes: int | None) -> list[InputFi
         return [f]
     n = -(-size // max_bytes)
     bounds = [size * k // n for k in range(n + 1)]
-    return [InputFile(f.source, f.url, f.fmt, a, b if k < n - 1 else None)
+    return [InputFile(f.source, f.url, f.fmt, a, b if k < n - 1 else None, rel=f.rel)
             for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
 
@@ -123,13 +171,13 @@ def _parquet_pieces(f: InputFile, src: SourceConfig, max_bytes: int | None) -> l
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
         if max_bytes is not None and size and size + rg.total_byte_size > max_bytes:
-            pieces.append(InputFile(f.source, f.url, f.fmt, start, g, first_row))
+            pieces.append(InputFile(f.source, f.url, f.fmt, start, g, first_row, f.rel))
             start, first_row, size = g, row, 0
         size += rg.total_byte_size
         row += rg.num_rows
     if not pieces:
         return [f]
-    return pieces + [InputFile(f.source, f.url, f.fmt, start, None, first_row)]
+    return pieces + [InputFile(f.source, f.url, f.fmt, start, None, first_row, f.rel)]
 
 
 def _open_binary(url: str) -> io.BufferedIOBase:
@@ -151,11 +199,14 @@ class SourceReader(PipelineStep):
     type = "📖 - READER"
 
     def __init__(self, files: list[InputFile], sources: dict[str, SourceConfig], rejects: str | None,
-                 max_chars: int, normalize: NormalizeConfig | None = None, chat_template: str | None = None):
-        """`rejects` None: a re-read of input already checked once; bad records are skipped silently."""
+                 max_chars: int, normalize: NormalizeConfig | None = None, chat_template: str | None = None,
+                 code_fields: CodeFields | None = None, redactors: dict | None = None):
+        """`rejects` None: a re-read of input already checked once; bad records are skipped silently.
+        `redactors`: source name → `datapipe.kinds.redact.Redactor`, applied to that source's rejects."""
         super().__init__()
         self.files, self.sources, self.max_chars = files, sources, max_chars
         self.rejects = rejects
+        self.code_fields, self.redactors = code_fields or CodeFields(), redactors or {}
         self.normalize, self.chat_template = normalize or NormalizeConfig(form="none", strip_control=False,
                                                                           whitespace=False), chat_template
 
@@ -174,8 +225,11 @@ class SourceReader(PipelineStep):
                 if isinstance(err, ConversationError):
                     self.stat_update(f"dropped_read:{err.reason}")
                     err = str(err)
-                elif err is None and extra:
+                elif extra and (err is None or f.fmt == "text"):  # a text file's name, even when it is bad
                     meta.update(extra[0])
+                if src.kind == "code":
+                    if err is None and "\x00" in text:
+                        err = f"binary file (a NUL character at offset {text.index(chr(0)):,})"
                 if err is None:
                     if not text.strip():
                         err = "empty document"
@@ -186,6 +240,8 @@ class SourceReader(PipelineStep):
                     if rej is None:
                         continue
                     keep = text if isinstance(text, str) and len(text) <= 10_000 else (text or "")[:10_000]
+                    if f.source in self.redactors:  # the reject keeps a redacted copy, never the original
+                        keep = self.redactors[f.source].redact(keep.replace("\x00", ""), meta.get("path") or "")[0]
                     rej.write(Document(text=keep, id=doc_id or f"{f.url}:{lineno}",
                                        metadata={**meta, "filter": "read", "filter_reason": err}), rank)
                     continue
@@ -210,14 +266,10 @@ class SourceReader(PipelineStep):
         if f.fmt == "parquet":
             yield from self._parquet(f, src, base)
             return
+        if f.fmt == "text":
+            yield from self._text_files(f, src)
+            return
         with _open_binary(f.url) as fh:
-            if f.fmt == "text":
-                raw = fh.read()
-                try:
-                    yield 1, raw.decode("utf-8"), f"{f.source}/{base}", None
-                except UnicodeDecodeError as e:
-                    yield 1, raw.decode("utf-8", "replace"), f"{f.source}/{base}", f"not UTF-8 at byte {e.start}"
-                return
             for lineno, line in _lines(fh, f):
                 fallback_id = f"{f.source}/{base}{'@' if f.split else ':'}{lineno}"
                 try:
@@ -240,6 +292,22 @@ class SourceReader(PipelineStep):
                     yield (lineno, *self._from_prompt(rec, src, fallback_id))
                 else:
                     yield (lineno, *self._from_record(rec, src, fallback_id))
+
+    def _text_files(self, f: InputFile, src: SourceConfig):
+        """One document per file: (number in the piece, text, id, error, {file; a code file's path})."""
+        for k, (url, rel) in enumerate(f.members, start=1):
+            try:
+                with _open_binary(url) as fh:
+                    raw = fh.read()
+            except OSError as e:  # the piece's first file is named by _records; a later one here
+                raise InputError(f"{url}: unreadable ({type(e).__name__}: {e})") from None
+            code = src.kind == "code"
+            doc_id = f"{f.source}/{rel if code else os.path.basename(url)}"
+            where = {"file": url, **({"path": rel} if code else {})}
+            try:
+                yield k, raw.decode("utf-8"), doc_id, None, where
+            except UnicodeDecodeError as e:
+                yield k, raw.decode("utf-8", "replace"), doc_id, f"not UTF-8 at byte {e.start}", where
 
     def _from_chat(self, rec, src: SourceConfig, fallback_id: str) -> tuple:
         """(rendered text, id, None, {"loss_spans", "kind"}) or ("", id, ConversationError)."""
@@ -287,7 +355,7 @@ class SourceReader(PipelineStep):
             return json.dumps(rec, ensure_ascii=False)[:10_000], doc_id, e
         return text, doc_id, None, meta
 
-    def _from_record(self, rec, src: SourceConfig, fallback_id: str) -> tuple[str, str, str | None]:
+    def _from_record(self, rec, src: SourceConfig, fallback_id: str) -> tuple:
         if not isinstance(rec, dict):
             return "", fallback_id, f"record is a JSON {type(rec).__name__}, not an object"
         doc_id = fallback_id
@@ -298,7 +366,19 @@ class SourceReader(PipelineStep):
         text = rec[src.text_field]
         if not isinstance(text, str):
             return "", doc_id, f"text field {src.text_field!r} is a {type(text).__name__}, not a string"
+        if src.kind == "code":
+            return text, doc_id, None, self._code_meta(rec)
         return text, doc_id, None
+
+    def _code_meta(self, rec: dict) -> dict:
+        """A code record's path, declared language, repository and licence (the fields it has)."""
+        fields, out = self.code_fields, {}
+        for key, name in (("path", fields.path), ("declared_language", fields.language), ("repo", fields.repo),
+                          ("license", fields.license)):
+            value = rec.get(name) if name else None
+            if isinstance(value, str) and value or key == "license" and isinstance(value, list) and value:
+                out[key] = value if isinstance(value, str) else [str(v) for v in value]
+        return out
 
     def _parquet(self, f: InputFile, src: SourceConfig, base: str):
         import pyarrow.parquet as pq
@@ -306,16 +386,15 @@ class SourceReader(PipelineStep):
         with fsspec.open(f.url, "rb") as fh:
             pf = pq.ParquetFile(fh)
             names = pf.schema_arrow.names
-            cols = [src.text_field] + ([src.id_field] if src.id_field in names else [])
+            extra = [c for c in dataclasses.astuple(self.code_fields) if c and c in names] if src.kind == "code" else []
+            cols = list(dict.fromkeys([src.text_field] + ([src.id_field] if src.id_field in names else []) + extra))
             row = f.first_row
             groups = range(f.start, pf.num_row_groups if f.end is None else f.end)
             for batch in pf.iter_batches(columns=cols, batch_size=4096, row_groups=groups):
                 d = batch.to_pydict()
                 for i, text in enumerate(d[src.text_field]):
                     row += 1
-                    rec = {src.text_field: text}
-                    if src.id_field in d:
-                        rec[src.id_field] = d[src.id_field][i]
+                    rec = {c: d[c][i] for c in cols}
                     yield (row, *self._from_record(rec, src, f"{src.name}/{base}:{row}"))
 
 

@@ -10,12 +10,16 @@ import os
 
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
-from datapipe.rejects import RejectsWriter
+from datatrove.pipeline.filters.base_filter import BaseFilter
 
 from storage.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
 from datapipe.filters import chain_filter, filter_label
+from datapipe.kinds.codelang import IdentifyCodeLanguage
+from datapipe.kinds.mathtext import MathAnnotate, Masked, Masker
+from datapipe.kinds.redact import Redact, Redactor
 from datapipe.langid import IdentifyLanguage
+from datapipe.rejects import RejectsWriter
 from datapipe.sources import InputFile
 from datapipe.tokenize import check_special_tokens, load_tokenizer, train_bpe
 from datapipe.workfiles import atomic_json
@@ -26,12 +30,21 @@ def stats_of(step: PipelineStep) -> dict[str, int]:
     return {k: int(v.total) for k, v in step.stats.stats.items()}
 
 
+# per-task counts kept under their own names (the rest of a step's dropped_* stats become "<label>:<reason>")
+COUNT_PREFIXES = ("language:", "kept_language:", "code_language:", "kept_code_language:", "license:",
+                  "kept_license:", "redacted", "formulas", "kept_math_density:")
+
+
 class PerSourceFilters(PipelineStep):
-    """Identifies each document's language (unless `langid.enabled` is false and the source declares
-    none), then applies the filter
-    chain configured for the source of this task's file, each filter with the settings of the document's
-    language; records drops per filter, and documents per language before (`language:<code>`) and after
-    (`kept_language:<code>`) the chain."""
+    """The scan stage's chain for the source of this task's file, by the source's kind:
+    - web: language ID (unless `langid.enabled` is false and the source declares no language), then the
+      filter chain, each filter with the settings of the document's language;
+    - code: the programming language (`datapipe.kinds.codelang`), redaction, the chain (The Stack's rules);
+    - math: redaction (when configured), math density, language ID and the chain on the text with formulas
+      masked (`datapipe.kinds.mathtext`).
+    A source with `redact` (a code source by default) is redacted first, so every reject is redacted.
+    Records drops per filter and documents per language (`language:`, `code_language:`) before and after
+    (`kept_...`) the chain, licences, redactions and formulas."""
 
     name = "🔻 quality filters"
     type = "🔻 - FILTER"
@@ -40,33 +53,54 @@ class PerSourceFilters(PipelineStep):
         super().__init__()
         self.cfg, self.files, self.rejects, self.counts_dir = cfg, files, rejects, counts_dir
 
-    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+    def _chain(self, src) -> list[tuple[str, PipelineStep]]:
         cfg = self.cfg
-        src = {s.name: s for s in cfg.sources}[self.files[rank].source]
-        specs = cfg.filters_for(src)
         labelled = [(filter_label(spec, i), chain_filter(spec, cfg.word_tokenizer, cfg.language_filters, self.rejects, i))
-                    for i, spec in enumerate(specs)]
-        if cfg.langid.enabled or src.language:  # a declared language needs no model
+                    for i, spec in enumerate(cfg.filters_for(src))]
+        if src.kind != "code" and (cfg.langid.enabled or src.language):  # a declared language needs no model
             writer = RejectsWriter(os.path.join(self.rejects, "langid"))
             labelled.insert(0, ("langid", IdentifyLanguage(cfg.langid, src, writer, tuple(cfg.language_filters))))
+        if src.kind == "math":
+            masker = Masker()
+            labelled = [("math", MathAnnotate())] + [(label, Masked(flt, masker)) for label, flt in labelled]
+        if src.kind == "code":
+            writer = RejectsWriter(os.path.join(self.rejects, "codelang"))
+            labelled.insert(0, ("codelang", IdentifyCodeLanguage(src.language, src.languages, writer)))
+        redact = cfg.redact_for(src)
+        if redact.enabled:
+            labelled.insert(0, ("redact", Redact({src.name: Redactor(redact.secrets, redact.emails,
+                                                                     redact.ip_addresses)})))
+        return labelled
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        src = {s.name: s for s in self.cfg.sources}[self.files[rank].source]
+        labelled = self._chain(src)
         for _, flt in labelled:
             data = flt.run(data, rank, world_size)
         kept: dict[str, int] = {}
         for doc in data:
-            lang = doc.metadata.get("language")
-            if lang:
-                kept[lang] = kept.get(lang, 0) + 1
+            meta = doc.metadata
+            for key in ("language", "code_language"):
+                if meta.get(key):
+                    kept[f"kept_{key}:{meta[key]}"] = kept.get(f"kept_{key}:{meta[key]}", 0) + 1
+            keys = [f"kept_license:{lic}" for lic in
+                    ([meta["license"]] if isinstance(meta.get("license"), str) else meta.get("license") or [])]
+            if "math_density" in meta:  # a histogram in tenths
+                keys.append(f"kept_math_density:{min(int(meta['math_density'] * 10), 9) / 10:.1f}")
+            for key in keys:
+                kept[key] = kept.get(key, 0) + 1
             yield doc
         counts = {}
         for label, flt in labelled:
             st = stats_of(flt)
-            counts[label] = st.get("dropped", 0)
+            if isinstance(flt, BaseFilter):
+                counts[label] = st.get("dropped", 0)
             for k, v in st.items():
                 if k.startswith("dropped_"):
                     counts[f"{label}:{k[len('dropped_'):]}"] = v
-                elif k.startswith("language:"):
+                elif k.startswith(COUNT_PREFIXES):
                     counts[k] = v
-        counts.update({f"kept_language:{k}": v for k, v in sorted(kept.items())})
+        counts.update(sorted(kept.items()))
         atomic_json(os.path.join(self.counts_dir, f"{rank:05d}.json"), counts)
 
 

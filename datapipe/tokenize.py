@@ -28,6 +28,7 @@ from datatrove.pipeline.base import PipelineStep
 
 from storage.chat import token_mask
 from datapipe.config import ChatConfig
+from datapipe.kinds import KINDS_WITH_META, doc_meta
 from datapipe.preference import encode_pairs, pair_id
 from datapipe.prompts import KIND as PROMPTS, encode_prompts
 from datapipe.shardout import ShardOut, TaskShards
@@ -115,11 +116,13 @@ class TokenizeStep(PipelineStep):
     type = "🔢 - TOKENIZER"
 
     def __init__(self, tokenizer_path: str, eos_token: str, out: ShardOut, source_of_rank: list[str],
-                 batch_size: int = 256, chat: dict[str, ChatConfig] | None = None, rejects: str | None = None):
+                 batch_size: int = 256, chat: dict[str, ChatConfig] | None = None, rejects: str | None = None,
+                 kinds: dict[str, str] | None = None):
+        """`kinds`: source → kind; code and math documents carry `doc_meta` (`datapipe.kinds.doc_meta`)."""
         super().__init__()
         self.tokenizer_path, self.eos_token = tokenizer_path, eos_token
         self.out, self.source_of_rank, self.batch_size = out, source_of_rank, batch_size
-        self.chat, self.rejects = chat or {}, rejects
+        self.chat, self.rejects, self.kinds = chat or {}, rejects, kinds or {}
         self._tok = None
 
     def __getstate__(self):
@@ -187,7 +190,9 @@ class TokenizeStep(PipelineStep):
                 lengths = [len(x) + 1 for x in ids]
                 arr = np.fromiter(chain.from_iterable(x for i in ids for x in (i, eos_t)), dtype=dtype,
                                   count=sum(lengths))
-                sink.add_documents([d.id for d in batch], arr, lengths)
+                kind = self.kinds.get(self.source_of_rank[rank], "web")
+                meta = [doc_meta(kind, d.metadata) for d in batch] if kind in KINDS_WITH_META else None
+                sink.add_documents([d.id for d in batch], arr, lengths, meta)
             self.stat_update("documents", value=len(batch))
             batch.clear()
 

@@ -91,9 +91,10 @@ def verify(dataset: str) -> None:
                     if (b.mask is not None) != (src.kind in MASKED_KINDS):
                         raise ShardError(url, f"block {'has' if b.mask is not None else 'lacks'} a loss mask, but "
                                          f"the manifest says source {name!r} is of kind {src.kind!r}", b.key)
-                    if (b.doc_meta is not None) != (src.kind == "prompts"):
+                    if (b.doc_meta is not None) != (src.kind == "prompts" or src.content in ("code", "math")):
                         raise ShardError(url, f"block {'has' if b.doc_meta is not None else 'lacks'} doc_meta, but "
-                                         f"the manifest says source {name!r} is of kind {src.kind!r}", b.key)
+                                         f"the manifest says source {name!r} is of kind {src.kind!r}, content "
+                                         f"{src.content!r}", b.key)
                 if (blocks, docs, toks) != (sh.blocks, sh.documents, sh.tokens):
                     raise ShardError(url, f"counts (blocks, documents, tokens) = {(blocks, docs, toks)}, manifest "
                                      f"says {(sh.blocks, sh.documents, sh.tokens)}")

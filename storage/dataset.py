@@ -94,21 +94,28 @@ class SourceWriter:
         if self._pending >= self.block_tokens:
             self._flush_block()
 
-    def add_documents(self, tokens: np.ndarray, docs: list[tuple[str, int, int]]) -> None:
-        """Add documents without masks that lie in `tokens`, given as (doc_id, offset, length): the same
-        blocks as `add_document` for each in turn, for a batch at once."""
+    def add_documents(self, tokens: np.ndarray, docs: list[tuple[str, int, int]],
+                      meta: list[dict] | None = None) -> None:
+        """Add documents without masks that lie in `tokens`, given as (doc_id, offset, length), with one
+        metadata object each or none: the same blocks as `add_document` for each in turn, for a batch at once."""
         if docs and self._masked is None:
             self._masked = False
             self.info.kind = self._kind or "text"
         if docs and self._masked:
             raise ValueError(f"document {docs[0][0]!r}: a source's documents must all have a loss mask or none")
-        for doc_id, off, n in docs:
+        if docs and self._with_meta is None:
+            self._with_meta = meta is not None
+        elif docs and self._with_meta != (meta is not None):
+            raise ValueError(f"document {docs[0][0]!r}: a source's documents must all have metadata or none")
+        for k, (doc_id, off, n) in enumerate(docs):
             if n <= 0:
                 raise ValueError(f"document {doc_id!r} has no tokens (EOS must be appended)")
             if self._pending and self._pending + n > self.block_tokens:
                 self._flush_block()
             self._docs.append(tokens[off:off + n])
             self._ids.append(str(doc_id))
+            if meta is not None:
+                self._meta.append(meta[k])
             self._pending += n
             if self._pending >= self.block_tokens:
                 self._flush_block()

@@ -48,6 +48,8 @@ class SourceInfo:
     # documents `ID#chosen`, `ID#rejected` (masks on the completion), both sides in one block; prompts: RL
     # prompts rendered up to the generation prompt (no EOS, no mask), answers in the blocks' `doc_meta`
     kind: str = "text"
+    # the source's `kind` in the build config: web (prose), code or math; absent in old manifests: web
+    content: str = "web"
 
 
 @dataclass

@@ -29,7 +29,7 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "UserWarning" not in console and "Overwriting old incomplete" not in console, console[-6000:]
     assert "Transformer Engine and Apex are not installed" in (out / "run" / "logs" / "rank0.log").read_text()
     manifest = json.loads((out / "data" / "manifest.json").read_text())
-    assert len(manifest["sources"]) == 2 and len(manifest["mix"]) == 2
+    assert set(manifest["sources"]) == {"stdlib", "topics", "code"} and len(manifest["mix"]) == 2
     steps = [json.loads(line)["step"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
              if '"loss"' in line]
     assert steps[-1] == 30 and 20 in steps
@@ -80,7 +80,7 @@ def _check_chain(out, stdout):
     assert "/mid/checkpoints/step_00000010" in json.dumps(init_of("sft"))
     assert "/sft/checkpoints/" in json.dumps(init_of("apo"))
     mid = yaml.safe_load((out / "mid" / "config.yaml").read_text())
-    assert mid["data"]["mix"] == {"stdlib": 0.3, "topics": 0.7}
+    assert mid["data"]["mix"] == {"stdlib": 0.25, "topics": 0.35, "code": 0.4}
     apo = records("apo")
     last = max(r["step"] for r in apo if "loss" in r)  # 1 epoch of the training pairs (those that fit 256)
     assert [r["step"] for r in apo if r.get("kind") == "eval"] == [10, last] and 10 < last < 20

@@ -1,5 +1,7 @@
 """Exact dedup: hash each kept document's normalised text, keep the first occurrence in priority order.
 
+Code (documents with a `code_language`) is hashed with its whitespace runs collapsed
+(`datapipe.kinds.codetok.exact_key`), so reindented or re-wrapped copies of a file are one.
 Priority order is the build's global document order (source order in the config, then file, then line),
 so a document shared by two sources is kept in the higher-priority one. The scan tasks write their
 hashes partitioned by hash value (`hashes/PART/RANK.npy`: hash, post-filter index); one task per
@@ -17,6 +19,7 @@ import numpy as np
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
+from datapipe.kinds.codetok import exact_key
 from datapipe.workfiles import atomic_json, atomic_npy, load_npy
 from storage import atomic
 
@@ -42,7 +45,7 @@ class ExactHasher(PipelineStep):
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         hashes, ids = [], []
         for doc in data:
-            hashes.append(text_hash(doc.text))
+            hashes.append(text_hash(exact_key(doc.text) if "code_language" in doc.metadata else doc.text))
             ids.append(doc.id)
             yield doc
         atomic_json(ids_path(self.work, rank), ids)

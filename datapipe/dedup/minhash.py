@@ -12,6 +12,8 @@ priority-aware keeps.
   the two word splits agree it writes the same signature files; tests/datapipe/test_datapipe_minhash.py
   and tools/bench/bench_dedup.py compare whole runs of both steps, document for document. With
   `sketch_folder` it also writes each task's verification sketches (`datapipe.dedup.verify`).
+Code (documents with a `code_language`) is shingled as code instead: n-grams of its tokens, comments left
+out, identifiers by their pattern of use (`datapipe.kinds.codetok`).
 Clusters are found and resolved by `datapipe.dedup.clusters` (partitioned, priority keep).
 """
 from __future__ import annotations
@@ -27,6 +29,8 @@ from datatrove.utils.typeshelper import StatHints
 
 from datapipe.config import MinhashSettings
 from datapipe.dedup.verify import SketchWriter
+from datapipe.kinds.codetok import shingles as code_shingles
+from datapipe.kinds.codetok import tokens as code_tokens
 from datapipe.segment import has_no_space_script, japanese_words, segment
 from datapipe.wordtok import _EXC, tokenize_words
 
@@ -200,8 +204,13 @@ class FastMinhashSignature(MinhashDedupSignature):
                 self.stat_update(StatHints.total)
                 # RL prompts are exempt (as a document without shingles is): short templated questions that
                 # differ in their numbers, which simplify() maps to 0, would all be one cluster
-                shingles = _NO_SHINGLES if doc.metadata.get("kind") == "prompts" else \
-                    self.get_shingles(doc.text, doc.metadata.get("language"))
+                meta = doc.metadata
+                if meta.get("kind") == "prompts":
+                    shingles = _NO_SHINGLES
+                elif "code_language" in meta:
+                    shingles = code_shingles(code_tokens(doc.text, meta["code_language"]), self.config.n_grams)
+                else:
+                    shingles = self.get_shingles(doc.text, meta.get("language"))
                 if sketches:
                     batch.append(shingles)
                 if shingles.size:

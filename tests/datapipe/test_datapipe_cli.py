@@ -20,7 +20,8 @@ from storage.manifest import read_manifest
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> Path:
-    """`datapipe build` with no config: the embedded stdlib corpus, two sources, a mix, a trained tokenizer."""
+    """`datapipe build` with no config: the embedded stdlib corpus (docstrings, help topics and the standard
+    library's own source files as a code source), a mix, a trained tokenizer."""
     out = tmp_path_factory.mktemp("demo") / "ds"
     res = CliRunner().invoke(main, ["build", "--set", f"output={out}", "--quiet"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -28,10 +29,18 @@ def demo(tmp_path_factory) -> Path:
     return out
 
 
-def test_demo_build_has_two_sources_a_mix_and_a_trained_tokenizer(demo):
+def test_demo_build_has_three_sources_a_mix_and_a_trained_tokenizer(demo):
+    from datapipe.demo import stdlib_files
+
     m = read_manifest(str(demo))
-    assert set(m.sources) == {"stdlib", "topics"} and all(s.tokens > 0 for s in m.sources.values())
+    assert set(m.sources) == {"stdlib", "topics", "code"} and all(s.tokens > 0 for s in m.sources.values())
     assert [p.name for p in m.mix] == ["stable", "decay"]
+    assert m.mix[1].weights["code"] > m.mix[0].weights["code"]
+    # the code source is the standard library's own files, judged by The Stack's rules, not the prose rules
+    # (which kept 0 of them): at least 90% pass the filters (dedup then drops the codec tables' near-copies)
+    code = m.sources["code"]
+    assert code.content == "code" and code.stats["read"] == len(stdlib_files())
+    assert code.stats["kept_code_language:python"] >= 0.9 * code.stats["read"], code.stats
     assert sum(p.tokens for p in m.mix) == pytest.approx(m.total_tokens, abs=1)
     assert m.tokenizer.vocab_size == 4096 and (demo / "tokenizer.json").exists()
 

@@ -242,5 +242,5 @@ def test_preference_config(tmp_path):
         cfgmod.from_dict(BuildConfig, base)
     base["sources"][1]["chat"] = {}
     cfg = cfgmod.from_dict(BuildConfig, base)
-    assert cfg.filters_for(cfg.sources[1]) == [] and cfg.sources[1].kind == "preference"
+    assert cfg.filters_for(cfg.sources[1]) == [] and cfg.sources[1].record_kind == "preference"
     assert cfg.chat_template == "chatml"

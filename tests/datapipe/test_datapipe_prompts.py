@@ -187,7 +187,7 @@ def test_prompts_config(tmp_path):
         cfgmod.from_dict(BuildConfig, base)
     base["sources"][0]["chat"] = {"template": "smollm3"}
     cfg = cfgmod.from_dict(BuildConfig, base)
-    assert cfg.filters_for(cfg.sources[0]) == [] and cfg.sources[0].kind == "prompts"
+    assert cfg.filters_for(cfg.sources[0]) == [] and cfg.sources[0].record_kind == "prompts"
     assert cfg.chat_template == "smollm3"
     bad = write_jsonl(tmp_path / "q.jsonl", [{"question": "What is 1 + 1?", "answer": "2"}] * 3)
     cfg.sources[0].paths = [bad]

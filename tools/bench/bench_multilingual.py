@@ -281,7 +281,8 @@ def bench_english(runs: int) -> dict:
     import gzip
     import shutil
 
-    from datapipe.config import BuildConfig, ExecutorConfig, LangIdConfig, SourceConfig, TokenizerConfig
+    from datapipe.config import BuildConfig, LangIdConfig, SourceConfig, TokenizerConfig
+    from datapipe.executorconfig import ExecutorConfig
     from datapipe.pipeline import Build
     from datapipe.tokenize import train_bpe
 
