@@ -26,6 +26,10 @@ $(STAMP): pyproject.toml Makefile
 	@# GPTQ/AWQ folders (`train ckpt quantize --scheme gptq|awq`, GPU only): llm-compressor pins transformers<=5.17 and
 	@# compressed-tensors 0.19; installed without dependencies (its real needs are in pyproject.toml), imports with ours.
 	$(BIN)/pip install -q --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0
+	@# NeMo Curator's code filters, the peer of datapipe's code rules (tests, tools/bench/bench_code.py): its
+	@# dependencies (Ray Data, cuDF extras, vLLM pins) are not needed by that module; cosmos-xenna is what its
+	@# package __init__ imports.
+	$(BIN)/pip install -q --no-deps nemo-curator==1.4.0 cosmos-xenna==0.2.0
 	@touch $(STAMP)
 
 install: $(STAMP)

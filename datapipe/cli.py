@@ -93,7 +93,8 @@ def tokenizer() -> None:
 def tokenizer_train(sources, vocab_size, output, text_field, eos_token, max_docs) -> None:
     """Train a byte-level BPE on SOURCES (paths/globs of JSONL, Parquet or text files), offline."""
     from datapipe.config import SourceConfig
-    from datapipe.sources import SourceReader, expand_sources
+    from datapipe.inputs import expand_sources
+    from datapipe.sources import SourceReader
     from datapipe.tokenize import train_bpe
 
     src = SourceConfig("train", list(sources), text_field=text_field)
@@ -121,7 +122,7 @@ def tokenizer_train(sources, vocab_size, output, text_field, eos_token, max_docs
 @config_options(MixCommandConfig)
 def mix(cfg, config_path) -> None:
     """Rewrite the mix schedule of an existing dataset from CONFIG (dataset: PATH, mix: {...})."""
-    from datapipe.pipeline import rewrite_mix
+    from datapipe.buildstats import rewrite_mix
     from storage.manifest import validate_mix
 
     try:

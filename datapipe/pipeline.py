@@ -34,20 +34,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 from datatrove.pipeline.base import PipelineStep
 
-from datapipe import emptycheck, executors, slurm
+from datapipe import buildstats, emptycheck, executors, slurm
+from datapipe.buildstats import ManifestStep, dataset_config
 from storage.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
-from datapipe.decisions import FilterAndRecord, Select, kept_path
+from datapipe.decisions import FilterAndRecord, Select
 from datapipe.decontaminate import Decontaminate, load_index
 from datapipe.dedup.buckets import FastMinhashBuckets
-from datapipe.dedup.clusters import CCEdges, CCFinish, CCStep, ClusterKeep, near_removals
-from datapipe.dedup.clusters import write_report as write_near_report
-from datapipe.dedup.exact import ExactHasher, ExactResolve, exact_removals, write_report
+from datapipe.dedup.clusters import CCEdges, CCFinish, CCStep, ClusterKeep
+from datapipe.dedup.exact import ExactHasher, ExactResolve
 from datapipe.dedup.minhash import FastMinhashSignature, minhash_config
 from datapipe.dedup.verify import MinhashVerify
 from datapipe.filters import check_specs
@@ -55,15 +53,15 @@ from datapipe.langid import load_model
 from datapipe.langsettings import canonical
 from datapipe.normalize import Normalize
 from datapipe.rejects import RejectsWriter
-from datapipe.shardout import ShardOut, WriteValidation, source_infos, task_info_path
-from datapipe.sources import SourceReader, check_fields, expand_sources
-from datapipe.steps import COUNT_PREFIXES, CountsDump, PerSourceFilters, PrepareTokenizer
-from datapipe.tokenize import TokenizeStep, check_special_tokens, load_tokenizer, tokenizer_info
-from datapipe.workfiles import load_npy, read_json
+from datapipe.shardout import ShardOut, WriteValidation, source_infos
+from datapipe.inputs import check_fields, expand_sources
+from datapipe.sources import SourceReader
+from datapipe.steps import CountsDump, PerSourceFilters, PrepareTokenizer
+from datapipe.tokenize import TokenizeStep, check_special_tokens, load_tokenizer
 from storage import config as cfgmod
 from storage import atomic
 from storage.config import ConfigError
-from storage.manifest import Manifest, SourceInfo, read_manifest, write_manifest
+from storage.manifest import Manifest, read_manifest
 
 
 @dataclass
@@ -81,16 +79,8 @@ class BuildResult:
     elapsed_s: dict[str, float] = field(default_factory=dict)
 
 
-def _dataset_config(cfg: BuildConfig) -> dict:
-    """The config as the dataset records it: all but `executor`, which changes how a build runs, not its bytes
-    (so a build resumes on another executor, and every executor writes the same manifest)."""
-    plain = cfgmod.to_plain(cfg)
-    del plain["executor"]
-    return plain
-
-
 def _fingerprint(cfg: BuildConfig) -> str:
-    return hashlib.sha256(cfgmod.dump(_dataset_config(cfg)).encode()).hexdigest()
+    return hashlib.sha256(cfgmod.dump(dataset_config(cfg)).encode()).hexdigest()
 
 
 class Build:
@@ -320,121 +310,7 @@ class Build:
             print(f"warning: {line}", file=sys.stderr, flush=True)
 
     def source_stats(self, scan_only: bool = False) -> dict[str, dict[str, int]]:
-        """Counts per source: read, dropped per filter, languages; unless `scan_only`, dedup too."""
-        out: dict[str, dict[str, int]] = {}
-
-        def add(st: dict[str, int], k: str, v: int) -> None:
-            st[k] = st.get(k, 0) + int(v)
-
-        for r, f in enumerate(self.files):
-            st = out.setdefault(f.source, {})
-            read = read_json(self.w("counts", "read", f"{r:05d}.json"))
-            add(st, "read", read["read"].get("read", 0))
-            add(st, "dropped_read", read["read"].get("dropped_read", 0))
-            for k, v in read["read"].items():
-                if k.startswith("dropped_read:"):  # a chat source's rejected conversations, per reason
-                    add(st, k, v)
-            add(st, "dropped_normalize", read["normalize"].get("dropped", 0))
-            for k, v in read_json(self.w("counts", "filters", f"{r:05d}.json")).items():
-                add(st, k if k.startswith(COUNT_PREFIXES) else f"dropped_{k}", v)
-            if scan_only:
-                add(st, "kept", len(load_npy(kept_path(self.work, r), np.uint32)))
-                continue
-            parts = self.cfg.dedup.exact_parts if self.cfg.dedup.exact else 0
-            add(st, "exact_duplicates", len(exact_removals(self.w("exact"), r, parts)))
-            add(st, "near_duplicates", len(near_removals(self.w("minhash", "remove"), r)))
-            add(st, "decontaminated", self._decont_counts(r).get("decontaminated", 0))
-            if self.srcmap[f.source].is_templated:
-                counts = read_json(task_info_path(self.work, r)).get("counts", {})
-                keys = {"preference": ("dropped_too_long", "truncated", "loss_tokens", "dropped_prompt_too_long"),
-                        "prompts": ("dropped_too_long", "with_answer")}.get(
-                    self.srcmap[f.source].record_kind, ("dropped_too_long", "truncated", "loss_tokens"))
-                for k in keys:
-                    add(st, k, counts.get(k, 0))
-        return out
-
-    def _decont_counts(self, rank: int) -> dict:
-        path = self.w("counts", "decontaminate", f"{rank:05d}.json")
-        return read_json(path) if os.path.exists(path) else {}
-
-    def decontaminated_by_task(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for r in range(len(self.files)):
-            for task, n in self._decont_counts(r).get("by_task", {}).items():
-                out[task] = out.get(task, 0) + n
-        return dict(sorted(out.items()))
+        return buildstats.source_stats(self, scan_only)
 
     def write_manifest(self) -> Manifest:
-        import tokenizers
-
-        tinfo = tokenizer_info(os.path.join(self.out, "tokenizer.json"), self.cfg.tokenizer.eos_token)
-        stats = self.source_stats()
-        sources: dict[str, SourceInfo] = {}
-        validation: dict[str, SourceInfo] = {}
-        ranks_of = self.ranks_of()
-        for s in self.cfg.sources:
-            info, val = source_infos(self.work, s.name, ranks_of[s.name], s.record_kind)
-            info.stats = {**stats.get(s.name, {}), "documents": info.documents, "tokens": info.tokens,
-                          "validation_documents": val.documents, "validation_tokens": val.tokens}
-            info.kind = val.kind = s.record_kind
-            info.content = val.content = s.kind
-            if s.is_preference:  # documents are sides: two per pair
-                info.stats.update(pairs=info.documents // 2, validation_pairs=val.documents // 2)
-            sources[s.name] = info
-            if val.documents:
-                validation[s.name] = val
-        mix = self.cfg.mix.resolve({n: i.tokens for n, i in sources.items()})
-        totals: dict[str, Any] = {}
-        for info in sources.values():
-            for k, v in info.stats.items():
-                totals[k] = totals.get(k, 0) + v
-        if self.cfg.decontaminate.enabled:
-            totals["decontaminated_by_task"] = self.decontaminated_by_task()
-        m = Manifest(tokenizer=tinfo, sources=sources, mix=mix, build_stats=totals, validation=validation,
-                     build_config=_dataset_config(self.cfg), chat_template=self.chat_template,
-                     software={"smoltrain": _pkg_version("smoltrain"), "datatrove": _pkg_version("datatrove"),
-                               "tokenizers": tokenizers.__version__})
-        m.format_version = m.needed_version()
-        if self.cfg.dedup.exact:
-            write_report(self.work, self.cfg.dedup.exact_parts, os.path.join(self.out, "dedup", "exact_clusters.jsonl"))
-        if self.cfg.dedup.minhash.enabled:
-            write_near_report(self.w("minhash", "cc"), self.cfg.dedup.minhash.cluster_parts,
-                              os.path.join(self.out, "dedup", "near_dup_clusters.jsonl"))
-        cfgmod.save(_dataset_config(self.cfg), os.path.join(self.out, "build_config.yaml"))
-        write_manifest(self.out, m)
-        return m
-
-
-class ManifestStep(PipelineStep):
-    """Last stage: gathers per-task counts and per-source shard lists into manifest.json."""
-
-    name = "🧾 manifest"
-
-    def __init__(self, build: Build):
-        super().__init__()
-        self.build = build
-
-    def run(self, data=None, rank: int = 0, world_size: int = 1):
-        if self.build.cfg.executor.kind != "local":  # Slurm and Ray: the driver did not check
-            for line in self.build.check_empty(final=True):
-                self.build.log_warning(line)
-        self.build.write_manifest()
-
-
-def _pkg_version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
-
-
-def rewrite_mix(dataset: str, mix_cfg) -> Manifest:
-    """`datapipe mix`: replace the mix schedule of an existing dataset (validated), nothing else."""
-    m = read_manifest(dataset)
-    m.mix = mix_cfg.resolve({n: s.tokens for n, s in m.sources.items()})
-    for i, ph in enumerate(m.mix):
-        for n, w in ph.weights.items():
-            if w > 0 and n in m.sources and m.sources[n].tokens == 0:
-                raise cfgmod.ConfigError(f"key 'mix.phases.{i}.weights.{n}': source {n!r} has no documents in "
-                                         f"{dataset} (see `datapipe report {dataset}`)")
-    write_manifest(dataset, m)
-    return m
+        return buildstats.write_manifest(self)

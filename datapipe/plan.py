@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from datapipe.config import BuildConfig
-from datapipe.sources import InputFile, _open_binary, expand_sources
+from datapipe.inputs import InputFile, open_binary, expand_sources
 
 PER_PIECE = ("scan", "tokenize")
 
@@ -91,7 +91,7 @@ def _sample_source(files: list[InputFile], want: int, out_path: str, text_field:
                         if got >= per_file:
                             break
             elif url.lower().endswith((".gz", ".zst", ".zstd")):  # not seekable: its first records
-                with _open_binary(url) as fh:
+                with open_binary(url) as fh:
                     for line in fh:
                         out.write(line if line.endswith(b"\n") else line + b"\n")
                         got += len(line)
@@ -202,7 +202,7 @@ def _decompressed_total(files: list[InputFile], sizes: dict[str, int]) -> int:
         if url.lower().endswith((".gz", ".zst", ".zstd")):
             with fsspec.open(url, "rb") as fh:
                 head = fh.read(1 << 20)
-            with _open_binary(url) as fh:
+            with open_binary(url) as fh:
                 plain = fh.read(8 << 20)
             size = int(size * len(plain) / max(1, len(head))) if len(head) >= 1 << 20 else len(plain)
         total += size

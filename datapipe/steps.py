@@ -20,7 +20,7 @@ from datapipe.kinds.mathtext import MathAnnotate, Masked, Masker
 from datapipe.kinds.redact import Redact, Redactor
 from datapipe.langid import IdentifyLanguage
 from datapipe.rejects import RejectsWriter
-from datapipe.sources import InputFile
+from datapipe.inputs import InputFile
 from datapipe.tokenize import check_special_tokens, load_tokenizer, train_bpe
 from datapipe.workfiles import atomic_json
 from storage import atomic

@@ -79,7 +79,8 @@ def test_reads_parquet_zstd_jsonl_and_text(tmp_path):
     import pyarrow.parquet as pq
     import zstandard
 
-    from datapipe.sources import SourceReader, expand_sources
+    from datapipe.inputs import expand_sources
+    from datapipe.sources import SourceReader
 
     pq.write_table(pa.table({"content": [GOOD, OTHER], "uid": ["p1", "p2"]}), tmp_path / "a.parquet")
     (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(

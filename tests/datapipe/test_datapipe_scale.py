@@ -12,7 +12,8 @@ import pytest
 
 from datapipe.config import BuildConfig, DedupConfig, SourceConfig, TokenizerConfig
 from datapipe.pipeline import Build
-from datapipe.sources import SourceReader, expand_sources
+from datapipe.inputs import expand_sources
+from datapipe.sources import SourceReader
 from storage.dataset import iter_documents
 from storage.manifest import read_manifest
 from testutil import read_corpus, write_jsonl
