@@ -54,17 +54,37 @@ class Plan:
 def _file_bytes(files: list[InputFile]) -> dict[str, int]:
     out: dict[str, int] = {}
     for f in files:
-        if f.url not in out:
-            out[f.url] = fsspec.open(f.url).fs.size(f.url)
+        for url, _ in f.members:
+            if url not in out:
+                out[url] = fsspec.open(url).fs.size(url)
     return out
 
 
-def _piece_bytes(f: InputFile, size: int, pieces_of_file: int) -> int:
+def _piece_bytes(f: InputFile, size: int, pieces_of_file: int, sizes: dict[str, int]) -> int:
+    if f.more:  # a group of text files
+        return sum(sizes[u] for u, _ in f.members)
     if f.end is not None and f.fmt != "parquet":
         return f.end - f.start
     if f.start and f.fmt != "parquet":
         return size - f.start
     return size // pieces_of_file
+
+
+def _sample_text(files: list[InputFile], want: int, out_path: str, text_field: str, path_field: str | None) -> int:
+    """Whole files of a `format: text` source, evenly spread, as JSONL records (with their path when the
+    source is code); returns raw bytes read."""
+    members = [m for f in files for m in f.members]
+    raw, step = 0, max(1, len(members) // 64)
+    with open(out_path, "wb") as out:
+        for url, rel in members[::step] + members[1::step]:
+            with open_binary(url) as fh:
+                data = fh.read()
+            rec = {text_field: data.decode("utf-8", "replace"), **({path_field: rel} if path_field else {})}
+            out.write(json.dumps(rec, ensure_ascii=False).encode() + b"\n")
+            raw += len(data)
+            if raw >= want:
+                break
+    return raw
 
 
 def _sample_source(files: list[InputFile], want: int, out_path: str, text_field: str, id_field: str | None) -> int:
@@ -140,7 +160,7 @@ def make_plan(cfg: BuildConfig, nodes: int, cpus_per_node: int, sample_mb: float
         scfg = copy.deepcopy(cfg)
         scfg.output, scfg.work_dir = os.path.join(root, "out"), None
         scfg.executor.kind = "local"
-        src_bytes = {s.name: sum(sizes[u] for u in {f.url for f in files if f.source == s.name})
+        src_bytes = {s.name: sum(sizes[u] for u in {u for f in files if f.source == s.name for u, _ in f.members})
                      for s in cfg.sources}
         total_src = sum(src_bytes.values()) or 1
         raw_sample = 0
@@ -148,7 +168,11 @@ def make_plan(cfg: BuildConfig, nodes: int, cpus_per_node: int, sample_mb: float
             mine = [f for f in files if f.source == s.name]
             want = int(sample_mb * 1e6 * src_bytes[s.name] / total_src) + 1
             path = os.path.join(root, f"sample-{s.name}.jsonl")
-            raw_sample += _sample_source(mine, want, path, s.text_field, s.id_field)
+            if mine[0].fmt == "text":
+                raw_sample += _sample_text(mine, want, path, s.text_field,
+                                           scfg.kinds.code.fields.path if s.kind == "code" else None)
+            else:
+                raw_sample += _sample_source(mine, want, path, s.text_field, s.id_field)
             s.paths = [path]
             if s.format in ("auto", "parquet", "text"):
                 s.format = "jsonl"
@@ -170,7 +194,7 @@ def make_plan(cfg: BuildConfig, nodes: int, cpus_per_node: int, sample_mb: float
         for name, secs in res.elapsed_s.items():
             if name in PER_PIECE:
                 total = secs * ratio
-                biggest = max(_piece_bytes(f, sizes[f.url], per_file[f.url]) for f in files)
+                biggest = max(_piece_bytes(f, sizes[f.url], per_file[f.url], sizes) for f in files)
                 waves = math.ceil(len(files) / cpus)
                 wall = max(total / min(cpus, len(files)), waves * secs * biggest / max(1, raw_sample))
             elif name == "tokenizer":
@@ -197,7 +221,7 @@ def make_plan(cfg: BuildConfig, nodes: int, cpus_per_node: int, sample_mb: float
 def _decompressed_total(files: list[InputFile], sizes: dict[str, int]) -> int:
     """Input bytes as the reader sees them: compressed files scaled by the ratio measured on their start."""
     total = 0
-    for url in dict.fromkeys(f.url for f in files):
+    for url in dict.fromkeys(u for f in files for u, _ in f.members):
         size = sizes[url]
         if url.lower().endswith((".gz", ".zst", ".zstd")):
             with fsspec.open(url, "rb") as fh:
