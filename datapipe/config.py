@@ -48,13 +48,10 @@ class ChatConfig:
 class SourceConfig:
     name: str
     paths: list[str]
-    # web: prose (FineWeb's rules); code: source files (The Stack's rules, secrets redacted, code shingles);
-    # math: prose with formulas (kept as written, masked from the prose rules, math density measured)
-    kind: Literal["web", "code", "math"] = "web"
-    # known language of every document (no identification), e.g. zh; code: the programming language, e.g. python
-    language: str | None = None
-    # keep only documents identified as one of these (others: rejects/langid); code: programming languages
-    languages: list[str] | None = None
+    # web: prose; code: source files (The Stack's rules, redaction, code shingles); math: prose with formulas
+    kind: Literal["web", "code", "math"] = "web"  # see docs/datapipe.md, Source kinds
+    language: str | None = None  # known language of every document (no identification); code: e.g. python
+    languages: list[str] | None = None  # keep only documents identified as one of these; code: programming languages
     min_language_score: float | None = None  # keep only documents identified with at least this score
     # chat: JSONL of `messages` or `prompt`/`completion` records, rendered by `chat.template`;
     # preference: JSONL of `prompt`/`chosen`/`rejected` pairs, both sides rendered by `chat.template`;

@@ -31,8 +31,12 @@ class RedactConfig:
         return self.secrets or self.emails or self.ip_addresses
 
 
-def _all_on() -> RedactConfig:
-    return RedactConfig(secrets=True, emails=True, ip_addresses=True)
+@dataclass
+class CodeRedactConfig(RedactConfig):
+    """A code source's redaction: everything on, as BigCode's pipeline for The Stack."""
+    secrets: bool = True
+    emails: bool = True
+    ip_addresses: bool = True
 
 
 @dataclass
@@ -48,7 +52,7 @@ class CodeFields:
 @dataclass
 class CodeKind:
     filters: list[FilterSpec] = field(default_factory=lambda: [FilterSpec("code")])
-    redact: RedactConfig = field(default_factory=_all_on)
+    redact: CodeRedactConfig = field(default_factory=CodeRedactConfig)
     fields: CodeFields = field(default_factory=CodeFields)
 
     def validate(self) -> None:

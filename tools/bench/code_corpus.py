@@ -207,3 +207,26 @@ def license_pair() -> list[dict]:
     b = LICENSE + '\n"""Words."""\n\n\ndef count_words(text):\n    counts = {}\n    for word in text.split():\n' \
         '        counts[word] = counts.get(word, 0) + 1\n    return counts\n'
     return [{"path": "pkg/temperature.py", "text": a}, {"path": "pkg/words.py", "text": b}]
+
+
+def license_pairs(n: int) -> list[dict]:
+    """`n` pairs of different files under the one licence header: each a top-level function of 10-30 lines
+    from a standard-library module (read with `ast`), one per module."""
+    import ast
+
+    from datapipe.demo import stdlib_files
+
+    funcs = []
+    for p in stdlib_files():
+        text = _read(p)
+        try:
+            tree = ast.parse(text or "")
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and 10 <= node.end_lineno - node.lineno <= 30:
+                funcs.append((os.path.basename(p)[:-3], node.name, ast.get_source_segment(text, node)))
+                break
+        if len(funcs) >= 2 * n:
+            break
+    return [{"path": f"lic/{mod}_{name}.py", "text": LICENSE + "\n\n" + src + "\n"} for mod, name, src in funcs]
