@@ -37,7 +37,9 @@ def build(cfg, config_path, workers, fresh, dry_run, wait, quiet) -> None:
     cfg.executor.slurm.wait |= wait
     try:
         b = Build(cfg, workers=workers, fresh=fresh)
-    except (FileNotFoundError, KeyError, ConfigError, ValueError) as e:
+    except ConfigError as e:  # a key checked against the inputs or the filters' own signatures
+        die(f"{config_path or '<defaults>'}: {e}")
+    except (FileNotFoundError, KeyError, ValueError) as e:
         die(str(e).strip("'\""))
     cfgmod.save(cfg, os.path.join(b.work, "resolved_config.yaml"))
     try:  # a failed task: one line naming it and its log (the traceback is in the log)

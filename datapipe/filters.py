@@ -225,7 +225,8 @@ def _local_model(spec: FilterSpec, where: str) -> str:
 
 
 def check_specs(specs: list[FilterSpec], where: str) -> None:
-    """Unknown parameter names are errors naming the filter and the key."""
+    """Unknown parameter names are errors naming the filter and the key; our own filters (code,
+    math_density) are built once, so a bad value fails here too."""
     for i, spec in enumerate(specs):
         cls = _CLASSES[spec.type]
         allowed = set(inspect.signature(cls.__init__).parameters) - {"self"} - _RESERVED
@@ -236,6 +237,11 @@ def check_specs(specs: list[FilterSpec], where: str) -> None:
             if key not in allowed:
                 raise ConfigError(f"{where}.{i}.params: unknown parameter {key!r} for filter {spec.type!r} "
                                   f"(known: {', '.join(sorted(allowed))})")
+        if spec.type in ("code", "math_density"):
+            try:
+                cls(**spec.params)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{where}.{i}.params: {e}") from None
 
 
 def chain_filter(spec: FilterSpec, kind: str, overrides: dict, rejects_dir: str, index: int) -> BaseFilter:

@@ -15,7 +15,9 @@ without a comparison.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import warnings
 
@@ -82,7 +84,7 @@ def peer(docs: list[Document], flt: CodeQualityFilter) -> list[set[str]]:
     lines = code.NumberOfLinesOfCodeFilter(flt.min_lines, flt.max_lines)
     html = code.HTMLBoilerplateFilter(flt.html_min_text_share, flt.html_min_text_chars)
     out = []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # the peer prints unknown extensions
         warnings.simplefilter("ignore")
         for d in docs:
             text, lang = d.text, d.metadata["code_language"]
