@@ -15,6 +15,7 @@ from datatrove.pipeline.filters.base_filter import BaseFilter
 from storage.chat import load_template, template_special_tokens
 from datapipe.config import BuildConfig
 from datapipe.filters import chain_filter, filter_label
+from datapipe.kinds import licenses
 from datapipe.kinds.codelang import IdentifyCodeLanguage
 from datapipe.kinds.mathtext import MathAnnotate, Masked, Masker
 from datapipe.kinds.redact import Redact, Redactor
@@ -83,8 +84,7 @@ class PerSourceFilters(PipelineStep):
             for key in ("language", "code_language"):
                 if meta.get(key):
                     kept[f"kept_{key}:{meta[key]}"] = kept.get(f"kept_{key}:{meta[key]}", 0) + 1
-            keys = [f"kept_license:{lic}" for lic in
-                    ([meta["license"]] if isinstance(meta.get("license"), str) else meta.get("license") or [])]
+            keys = [f"kept_license:{lic}" for lic in licenses(meta)]
             if "math_density" in meta:  # a histogram in tenths
                 keys.append(f"kept_math_density:{min(int(meta['math_density'] * 10), 9) / 10:.1f}")
             for key in keys:

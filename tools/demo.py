@@ -1,8 +1,8 @@
 """`make demo`: the playbook on the tiny model, on the embedded corpus. Pretraining: raw text → dataset
 (with a held-out split) → TP=2 training with in-loop evaluation and async checkpoints → resume → eval of
 every checkpoint → HF export → generation → storage bench → the table of every checkpoint. Then the chain,
-each stage starting (`--init`) from the previous stage's checkpoint: mid-training (a reweighted mix, LR
-annealed) → SFT on a chat dataset → APO-zero on preference pairs (SciQ, repetition) → merges (a soup of the APO
+each stage starting (`--init`) from the previous stage's checkpoint: mid-training (a reweighted mix with
+code's weight up, LR annealed) → SFT on a chat dataset → APO-zero on preference pairs (SciQ, repetition) → merges (a soup of the APO
 checkpoints, then linear 0.9 soup + 0.1 mid-training) → GRPO on arithmetic questions with verifiable answers
 → one table comparing the stages (validation loss, benchmarks, GSM8K and IFEval generated and scored as
 lm-eval scores them). Prints where every output lies.
@@ -198,8 +198,9 @@ def main() -> None:
     sets = ["--set", f"data.dataset={data}", "--set", f"run_dir={run}", "--set", f"steps={args.steps}",
             *(["--set", f"eval.limit={args.eval_limit}"] if args.eval_limit else [])]
     t0 = time.time()
-    step("1/15 datapipe build: embedded corpus → filtered, deduplicated, tokenized shards (2 sources, 2 phases, "
-         "5 % held out for validation)",
+    step("1/15 datapipe build: embedded corpus → filtered, deduplicated, tokenized shards (docstrings, help topics "
+         "and the standard library's code as a code source: The Stack's rules, secrets redacted; 2 phases, 5 % "
+         "held out for validation)",
          [str(BIN / "datapipe"), "build", "--set", f"output={data}", "--set", "validation.fraction=0.05",
           "--workers", "2"])
     step("storage verify: every shard's sha256, frames and counts", [str(BIN / "storage"), "verify", str(data)])

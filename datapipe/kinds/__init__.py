@@ -10,3 +10,9 @@ def doc_meta(kind: str, meta: dict) -> dict:
     if kind == "code":
         return {"language": meta["code_language"], **{k: meta[k] for k in ("path", "repo", "license") if meta.get(k)}}
     return {"math_density": meta.get("math_density", 0.0), "formulas": meta.get("formulas", 0)}
+
+
+def licenses(meta: dict) -> list[str]:
+    """A code document's licences (its `license` metadata: a string, a list, or absent)."""
+    value = meta.get("license")
+    return [value] if isinstance(value, str) else list(value or [])

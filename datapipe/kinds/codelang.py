@@ -6,7 +6,7 @@ NeMo Curator ships. Language names are BigCode's, normalised (`python`, `c++`, `
 
 `detect(path, declared)` decides, first answer wins:
 1. `declared`: the record's language field or the source's `language:` (any spelling of a table name:
-   `C#`, `c-sharp`, `Common Lisp`), else an error naming it;
+   `C#`, `c-sharp`, `Common Lisp`; a name the table lacks counts for nothing);
 2. the file name, when the table lists it whole (`Dockerfile`, `Makefile`);
 3. the longest extension the table knows (`x.cmake.in` before `.in`), case-sensitive first (`.C` is C++),
    then lower-cased;
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from datatrove.pipeline.filters.base_filter import BaseFilter
 
+from datapipe.kinds import licenses
 from storage.config import ConfigError
 
 TABLE = Path(__file__).resolve().parents[1] / "assets" / "code_languages.json"
@@ -126,13 +127,9 @@ def from_shebang(text: str) -> str | None:
 
 
 def detect(path: str | None, text: str, declared: str | None = None) -> str | None:
-    """The file's language (see the module doc); raises ValueError for a declared name the table lacks."""
-    if declared:
-        lang = canonical(declared)
-        if lang is None:
-            raise ValueError(f"unknown programming language {declared!r}")
-        return lang
-    return (from_path(path) if path else None) or from_shebang(text)
+    """The file's language (see the module doc): a declared name the table lacks counts for nothing, so the
+    file's name and `#!` line still decide."""
+    return (canonical(declared) if declared else None) or (from_path(path) if path else None) or from_shebang(text)
 
 
 def thresholds(lang: str, path: str | None) -> Thresholds | None:
@@ -142,8 +139,8 @@ def thresholds(lang: str, path: str | None) -> Thresholds | None:
 
 class IdentifyCodeLanguage(BaseFilter):
     """The first step of a code source's chain: `code_language` in each document's metadata (`detect`),
-    then the source's `languages` allow-list. Rejects: `unknown_language` (no answer, or a declared name the
-    table lacks: `language_detail` says which), `language_not_listed`. Counts `code_language:<name>` and
+    then the source's `languages` allow-list. Rejects: `unknown_language` (no answer: `language_detail` says
+    what was tried), `language_not_listed`. Counts `code_language:<name>` and
     `license:<name>` per document read."""
 
     name = "💻 programming language"
@@ -155,16 +152,13 @@ class IdentifyCodeLanguage(BaseFilter):
 
     def filter(self, doc) -> bool | tuple[bool, str]:
         meta = doc.metadata
-        for lic in [meta["license"]] if isinstance(meta.get("license"), str) else meta.get("license") or []:
+        for lic in licenses(meta):
             self.stat_update(f"license:{lic}")
-        declared = meta.pop("declared_language", None)
-        try:
-            lang = detect(meta.get("path") or doc.id, doc.text, declared or self.declared)
-        except ValueError as e:
-            meta["language_detail"] = str(e)
-            return False, "unknown_language"
+        declared = meta.pop("declared_language", None) or self.declared
+        lang = detect(meta.get("path") or doc.id, doc.text, declared)
         if lang is None:
-            meta["language_detail"] = "no known extension, file name or #! interpreter"
+            meta["language_detail"] = (f"declared {declared!r}, not in the language table; " if declared else "") + \
+                "no known extension, file name or #! interpreter"
             return False, "unknown_language"
         meta["code_language"] = lang
         self.stat_update(f"code_language:{lang}")
