@@ -34,9 +34,9 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# Stock tools the tests compare against (tar, lz4, fio) or run (Slurm's daemons and munge, for a one-node
-# test cluster), as COMMAND:PACKAGE; installed when missing and we are root.
-SYSDEPS := lz4:lz4 fio:fio slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge
+# Stock tools the tests compare against (tar, lz4, fio) or run (bubblewrap: the sandbox of generated code;
+# Slurm's daemons and munge, for a one-node test cluster), as COMMAND:PACKAGE; installed when missing and we are root.
+SYSDEPS := lz4:lz4 fio:fio slurmctld:slurm-wlm slurmd:slurm-wlm munged:munge bwrap:bubblewrap
 sysdeps:
 	@PATH="$$PATH:/usr/sbin:/sbin"; missing=""; \
 	for d in $(SYSDEPS); do command -v $${d%%:*} >/dev/null 2>&1 || missing="$$missing $${d#*:}"; done; \

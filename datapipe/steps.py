@@ -81,10 +81,8 @@ class PerSourceFilters(PipelineStep):
         kept: dict[str, int] = {}
         for doc in data:
             meta = doc.metadata
-            for key in ("language", "code_language"):
-                if meta.get(key):
-                    kept[f"kept_{key}:{meta[key]}"] = kept.get(f"kept_{key}:{meta[key]}", 0) + 1
-            keys = [f"kept_license:{lic}" for lic in licenses(meta)]
+            keys = [f"kept_{k}:{meta[k]}" for k in ("language", "code_language") if meta.get(k)]
+            keys += [f"kept_license:{lic}" for lic in licenses(meta)]
             if "math_density" in meta:  # a histogram in tenths
                 keys.append(f"kept_math_density:{min(int(meta['math_density'] * 10), 9) / 10:.1f}")
             for key in keys:
