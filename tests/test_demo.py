@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import subprocess
 import sys
 
@@ -104,7 +105,10 @@ def _check_chain(out, stdout):
     stage_names = ["pretrain", "mid", "sft", "apo-soup", "final", "grpo"]
     table = stdout.split("the stages compared\n", 2)[-1].splitlines()
     header = next(ln.split() for ln in table if ln.startswith("label "))
-    assert {"gsm8k_cot_chat", "ifeval"} <= set(header), header  # "gsm8k_cot_chat strict", "ifeval prompt-strict"
+    # "codex_humaneval bpb", "gsm8k_cot_chat strict", "ifeval prompt-strict", "humaneval pass@1" (with bubblewrap)
+    assert {"codex_humaneval", "gsm8k_cot_chat", "ifeval"} <= set(header), header
+    sandbox = shutil.which("bwrap") is not None
+    assert sandbox == ("humaneval" in header), header
     rows = [ln.split() for ln in table if ln.split()[:1] and ln.split()[0] in stage_names]
     assert [r[0] for r in rows] == stage_names, stdout[-3000:]
     sft = json.loads((out / "chain-eval" / "sft.json").read_text())
@@ -113,6 +117,10 @@ def _check_chain(out, stdout):
     gen = sft["tasks"]["gsm8k_cot_chat"]
     assert gen["generative"] and gen["metrics"]["items"] == 4 and all("generation" in it for it in gen["items"])
     assert "eval/ifeval/inst_level_loose_acc" in sft["metrics"]
+    assert 0 < sft["metrics"]["eval/codex_humaneval/bpb"] < 20
+    if sandbox:
+        code = sft["tasks"]["humaneval"]
+        assert code["metrics"]["items"] == 4 and all(len(it["executions"]) == 1 for it in code["items"])
 
 
 def _check_export(hf, data, manifest):

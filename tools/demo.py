@@ -167,13 +167,20 @@ def grpo_stage(out: Path, data: Path, start: Path, steps: int) -> Path:
 
 def compare(out: Path, data: Path, stages: dict[str, Path], limit: list[str]) -> None:
     """One evaluation of every stage under the pretraining config (validation loss on its held-out split,
-    the benchmarks incl. SciQ, GSM8K and IFEval generated) and the table."""
+    the benchmarks incl. SciQ, HumanEval's gold bits per byte, GSM8K, IFEval and HumanEval generated) and the
+    table."""
     chain = out / "chain-eval"
-    step("train eval: every stage under one config (pretraining validation split; benchmarks incl. SciQ; GSM8K "
-         "0-shot chat and IFEval generated and scored as lm-eval scores them, 20 items each)",
+    code = ",humaneval" if shutil.which("bwrap") else ""  # generated code runs only in the sandbox
+    if not code:
+        print("note: bubblewrap is not installed (`make sysdeps`): HumanEval is not generated", flush=True)
+    step("train eval: every stage under one config (pretraining validation split; benchmarks incl. SciQ; "
+         "HumanEval's canonical solutions in bits per byte, code's early signal; GSM8K 0-shot chat, IFEval and "
+         "HumanEval generated and scored as lm-eval scores them, 20 items each, HumanEval's programs run in the "
+         "bubblewrap sandbox: pass@1 is 0 at this size)",
          [str(BIN / "train"), "eval", *(f"{k}={v}" for k, v in stages.items()), "--out", str(chain),
           "--config", str(out / "run" / "config.yaml"), "--set", f"data.dataset={data}",
-          "--tasks", "arc_easy,piqa,sciq,gsm8k_cot_chat,ifeval", "--set", "eval.generation.limit=20",
+          "--tasks", "arc_easy,piqa,sciq,codex_humaneval:gold_bpb_0shot,gsm8k_cot_chat,ifeval" + code,
+          "--set", "eval.generation.limit=20",
           "--set", "eval.generation.max_new_tokens=96", *limit])
     step("train eval --table: the stages compared", [str(BIN / "train"), "eval", "--table", str(chain)])
 

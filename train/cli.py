@@ -87,13 +87,18 @@ def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoin
               "LABEL.json, for --table beside checkpoints' results) or a .json file (default FOLDER/eval.json).")
 @click.option("--metric", type=click.Choice(["acc", "acc_norm", "acc_token"]), default="acc_norm",
               show_default=True, help="With --table: the metric shown per task.")
+@click.option("--unsafe-exec", is_flag=True, help="Code tasks (humaneval, mbpp) on a machine without bubblewrap: run "
+              "the generated programs in bare subprocesses (same limits, no isolation). Without it they are refused.")
 def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, every, nproc, overrides, config_path,
-             tokenizer, out, metric):
+             tokenizer, out, metric, unsafe_exec):
     """Evaluate checkpoints (any TP/PP layout, resharded on load), a run's checkpoints, or a HF folder:
-    validation loss per source (loss, ppl, bits/byte), multiple-choice benchmarks (acc, acc_norm, acc_token)
-    and generative ones scored as lm-eval scores them (gsm8k_cot, gsm8k_cot_chat: exact_match per filter;
-    ifeval: prompt/instruction-level strict and loose accuracy; every generation kept in the results).
-    Generation settings: --set eval.generation.max_new_tokens=N (also .stop, .chat_template, .batch_size).
+    validation loss per source (loss, ppl, bits/byte), multiple-choice benchmarks (acc, acc_norm, acc_token),
+    bits per byte of canonical answers (codex_humaneval:gold_bpb_0shot, codex_mbpp:..., minerva_math_500:...)
+    and generative tasks scored as lm-eval scores them (gsm8k_cot, gsm8k_cot_chat: exact_match per filter;
+    ifeval: prompt/instruction-level strict and loose accuracy; humaneval, mbpp: pass@k, the programs run in
+    a bubblewrap sandbox; minerva_math_500: math_verify; every generation and execution kept in the results).
+    Generation settings: --set eval.generation.max_new_tokens=N (also .stop, .chat_template, .batch_size,
+    .samples and .temperature for pass@k).
 
     Each TARGET is CHECKPOINT|RUN_DIR (a run dir: its newest checkpoint, or every one with --all), written
     as OUT/<checkpoint>.json, or LABEL=CHECKPOINT|RUN_DIR (LABEL: letters, digits, _ . + -), written as
@@ -116,6 +121,8 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
             raise click.ClickException(str(e)) from None
         return
     task_list = [t for t in tasks.split(",") if t.strip()] if tasks else None
+    if unsafe_exec:
+        overrides = (*overrides, "eval.generation.unsafe_exec=true")
     if hf_folder:
         from train.eval.hf import evaluate_hf
 

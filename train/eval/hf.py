@@ -124,7 +124,7 @@ def score_hf(folder: str, tasks: list[Task], batch_tokens: int = 16384) -> dict[
     out = {}
     for ti, task in enumerate(tasks):
         n_tokens = [[len(c.continuation) for c in cands] for cands in encoded[ti]]
-        out[task.name] = {"metrics": task_metrics(task.items, logliks[ti], n_tokens),
+        out[task.name] = {"metrics": task_metrics(task.items, logliks[ti], n_tokens, task.kind),
                           "item_ids": [it.item_id for it in task.items], "logliks": logliks[ti], "n_tokens": n_tokens}
     return out
 
@@ -142,7 +142,9 @@ def generate_hf(folder: str, specs: list[str], limit: int | None, gen) -> dict[s
     out = {}
     for spec in specs:
         task = GenerativeTask(spec, limit, tok, max_length=model.config.max_position_embeddings, chat_template=template,
-                              chat=gen.chat_template, max_new_tokens=gen.max_new_tokens, stop=gen.stop)
+                              chat=gen.chat_template, max_new_tokens=gen.max_new_tokens, stop=gen.stop,
+                              samples=gen.samples, temperature=gen.temperature, timeout_s=gen.timeout_s,
+                              unsafe_exec=gen.unsafe_exec)
         _, details = task.run(engine)
         out[task.name] = {"generative": True, **details}
     return out
@@ -212,14 +214,15 @@ def evaluate_hf(spec: str, config_path: str | None, overrides: list[str], task_l
     loaded = [load_mc_task(t, limit or ecfg.limit or 200) for t in specs if not is_generative(t)]
     gen_specs = [t for t in specs if is_generative(t)]
     ecfg.tasks = gen_specs
-    ecfg.load_tasks()  # task files checked before the model is loaded
+    ecfg.check_tasks()  # task files and the code tasks' sandbox checked before the model is loaded
     metrics: dict[str, float] = {}
     n_val = ecfg.validation_tokens if validation_tokens is None else validation_tokens
     if n_val and cfg.data.dataset and not cfg.debug.synthetic_data:
         metrics |= validation_hf(folder, cfg.data.dataset, cfg.data.seq_len, n_val)
     res = score_hf(folder, loaded) if loaded else {}
     for name, r in res.items():
-        metrics |= {f"eval/{name}/{k}": v for k, v in r["metrics"].items() if k in ("acc", "acc_norm", "acc_token")}
+        metrics |= {f"eval/{name}/{k}": v for k, v in r["metrics"].items()
+                    if k in ("acc", "acc_norm", "acc_token", "bpb")}
     glimit = limit if limit is not None else (ecfg.generation.limit or ecfg.limit)
     res |= generate_hf(folder, gen_specs, glimit, ecfg.generation) if gen_specs else {}
     metrics["size_bytes"] = folder_bytes(folder)

@@ -134,12 +134,20 @@ def lm_eval_tasks_dir() -> str:
 
 
 def run_lmeval_generative(folder: str, task_yaml: str, docs_file: str, workdir: str, *, batch_size: int = 16,
-                          apply_chat_template: bool = False, max_gen_toks: int | None = None) -> dict:
+                          apply_chat_template: bool = False, max_gen_toks: int | None = None,
+                          code_eval=None) -> dict:
     """lm-eval's HF backend on FOLDER for one of its generative tasks (`task_yaml` under lm_eval/tasks, e.g.
     gsm8k/gsm8k-cot.yaml) over the docs in `docs_file`: {"generations": per doc (doc order), "filtered":
     per doc {filter: answer}, "per_item": per doc {metric[,filter]: value}, "results": lm-eval's aggregated
-    results, "seconds": the simple_evaluate call}."""
+    results, "seconds": the simple_evaluate call}. Its code tasks (humaneval, mbpp) run with HF evaluate's
+    `code_eval` replaced by train.eval.codetasks' stand-in: their programs are not executed here (their
+    verdicts are ours to check elsewhere) and their pass@k comes back NaN, unless `code_eval` (an object with
+    its `compute`) is given."""
+    import contextlib
+
     import yaml
+
+    from train.eval.codetasks import CODE_TASKS, lm_eval_imports
 
     task = TASK_PREFIX + os.path.basename(task_yaml).removesuffix(".yaml").replace("-", "_")
     os.makedirs(workdir, exist_ok=True)
@@ -156,7 +164,8 @@ def run_lmeval_generative(folder: str, task_yaml: str, docs_file: str, workdir: 
     with open(os.path.join(workdir, f"{task}.yaml"), "w") as f:
         yaml.safe_dump(cfg, f)
     ifeval_environment()
-    with offline():
+    code = os.path.dirname(task_yaml) in CODE_TASKS
+    with offline(), (lm_eval_imports(code_eval) if code else contextlib.nullcontext()):
         import lm_eval
         from lm_eval.tasks import TaskManager
 
@@ -165,7 +174,7 @@ def run_lmeval_generative(folder: str, task_yaml: str, docs_file: str, workdir: 
             model="hf", model_args=f"pretrained={os.path.abspath(folder)},dtype=float32", tasks=[task],
             task_manager=TaskManager(include_path=os.path.abspath(workdir), include_defaults=False),
             log_samples=True, batch_size=batch_size, device="cpu", bootstrap_iters=0,
-            apply_chat_template=apply_chat_template)
+            apply_chat_template=apply_chat_template, confirm_run_unsafe_code=code)
         seconds = time.perf_counter() - t0
     samples = sorted(res["samples"][task], key=lambda s: s["doc_id"])
     per_item = []

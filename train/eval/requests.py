@@ -63,8 +63,20 @@ def item_metrics(item: Item, logliks: list[float], n_tokens: list[int]) -> dict:
             "acc_token": float(pred_tok == item.label)}
 
 
-def task_metrics(items: list[Item], logliks: list[list[float]], n_tokens: list[list[int]]) -> dict:
-    """Means of the item metrics over a task, with the item count and the standard error of acc."""
+def bits_per_byte(item: Item, logliks: list[float]) -> float:
+    """The gold candidate's negative log-likelihood in bits per UTF-8 byte of its text (OLMo's `bpb`)."""
+    return -logliks[item.label] / math.log(2) / max(1, len(item.answer.encode("utf-8")))
+
+
+def task_metrics(items: list[Item], logliks: list[list[float]], n_tokens: list[list[int]], kind: str = "choice") -> dict:
+    """Means of the item metrics over a task, with the item count and the standard error of acc; a `bpb` task
+    (one gold request per item) gets the mean bits per byte and its standard error instead."""
+    if kind == "bpb":
+        bpb = [bits_per_byte(it, ll) for it, ll in zip(items, logliks)]
+        n = len(bpb)
+        mean = sum(bpb) / n if n else float("nan")
+        var = sum((b - mean) ** 2 for b in bpb) / max(n - 1, 1) if n else 0.0
+        return {"bpb": mean, "bpb_stderr": math.sqrt(var / max(n, 1)), "items": n}
     per = [item_metrics(it, ll, nt) for it, ll, nt in zip(items, logliks, n_tokens)]
     n = len(per)
     out = {k: sum(p[k] for p in per) / n for k in ("acc", "acc_norm", "acc_token")} if n else {}
