@@ -6,8 +6,13 @@ import os
 import fsspec
 import pytest
 
-from testutil import free_port, write_random_dataset
-from storage.manifest import Manifest
+# Two test workers share the cores: each process (and every CLI or torchrun rank it starts) computes on one
+# thread, where OpenMP's default (one per core) left threads spinning on cores the other worker was using.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from testutil import free_port, write_random_dataset  # noqa: E402
+from storage.manifest import Manifest  # noqa: E402
 
 # Files that take longest (`make test`'s --durations), started first: xdist (--dist loadfile, its reordering
 # off in the Makefile) hands files out in collection order; its own reordering (most tests first) left the

@@ -21,8 +21,9 @@ Backends (`backend`):
   row's own n-grams, lossless.
 - `vllm`: vLLM's `LLM` on a GPU, its weights handed over from ours (`load_weights`), never downloaded.
 `auto` picks vLLM when it is installed and a GPU is present, else `continuous` on a GPU when the installed
-transformers has it, else `padded`: on CPU, transformers' paged attention made continuous batching 8x
-slower than a padded batch of 32 (32 prompts, 48 new tokens, the demo model; docs/benchmarks.md).
+transformers has it, else `padded`: on CPU, transformers' paged attention made continuous batching 5.3x
+slower than a padded batch of 32 (32 prompts, 48 new tokens, the demo model; docs/benchmarks.md; 8x before
+its page cache was sized from the requests).
 
 Semantics shared by every backend: a sequence ends at one of `eos_ids` / `stop_token_ids` (kept as its
 last token) or once its decoded text (special tokens kept, as lm-eval's stopping criterion decodes it)
@@ -264,8 +265,15 @@ class Engine:
     def _continuous(self, prompts: list[list[int]], params: SamplingParams, checker: StopChecker) -> list[Completion]:
         from transformers import ContinuousBatchingConfig
 
+        # transformers sizes the paged cache from free memory when num_blocks is unset: on CPU that allocates
+        # gigabytes per call (about 20 s on 2 cores); the longest `max_batch_size` requests bound what it holds.
+        sizing = {}
+        if self.model.device.type == "cpu":
+            longest = sorted((len(p) + params.max_new_tokens for p in prompts), reverse=True)[:self.max_batch_size]
+            page = ContinuousBatchingConfig.page_size
+            sizing["num_blocks"] = sum(-(-n // page) for n in longest) + 1
         cb = ContinuousBatchingConfig(return_logprobs=params.logprobs, seed=params.seed,
-                                      max_requests_per_batch=self.max_batch_size)
+                                      max_requests_per_batch=self.max_batch_size, **sizing)
         gen = self._generation_config(params)
         watch = bool(checker.stops)
         out: dict[str, Completion] = {}
