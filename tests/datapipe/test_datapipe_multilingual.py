@@ -237,6 +237,14 @@ def test_per_language_override_applies(tmp_path):
     assert strict.filter(doc) == (False, "gopher_enough_stop_words")
     en = Document(text=doc.text, id="en", metadata={**doc.metadata, "language": "en", "language_settings": "en"})
     assert strict.filter(en) is not True  # English stop words on French text
+    # an English document the base settings keep is kept under the French override too: it applies to French only
+    for r in rows("parallel"):
+        en = Document(text=r["text"], id="en")
+        lid.filter(en)
+        if r["language"] == "en" and en.metadata["language_settings"] == "en" and PerLanguage(spec, "fast", {}).filter(en) is True:
+            break
+    assert en.metadata["language"] == "en"
+    assert strict.filter(en) is True
 
 
 def test_decontamination_ngrams_in_chinese():

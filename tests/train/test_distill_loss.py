@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from testutil import require
 from train.objectives import distill_loss as DL
 
 B, S, V, VOCAB = 2, 5, 48, 45  # 3 padding rows past the vocabulary, as a padded embedding has
@@ -26,7 +27,7 @@ def _logits(seed: int):
 
 
 def _trl(s, t, labels, beta, temperature):
-    pytest.importorskip("trl")
+    require("trl")  # a dev dependency: missing under CI is a failure, not a skip
     from trl.experimental.gkd.gkd_trainer import GKDTrainer
 
     return GKDTrainer.generalized_jsd_loss(s, t, labels=labels, beta=beta, temperature=temperature)

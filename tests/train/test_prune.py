@@ -1,7 +1,10 @@
-"""`train ckpt prune` (train.checkpoint.prune): importance against a hand-computed case; a width-pruned
-checkpoint (hidden, FFN and heads: head_dim no longer hidden / heads) gives the logits of the transformers
-model built from its HF export at TP1, TP2 and PP2; depth pruning keeps the layers whose removal changes the
-output most; bad arguments are refused by name."""
+"""The compression commands. `train ckpt prune` (train.checkpoint.prune): importance against a hand-computed
+case; a width-pruned checkpoint (hidden, FFN and heads: head_dim no longer hidden / heads) gives the logits
+of the transformers model built from its HF export at TP1, TP2 and PP2; depth pruning keeps the layers whose
+removal changes the output most; bad arguments are refused by name. `train ckpt quantize`
+(train.checkpoint.quantize) int8 / int4 from a checkpoint: every linear weight stored as integers in range
+with one scale per row (int8) or per group (int4), within half a step of the source weight, and the folder
+loads in transformers with logits near the float model's."""
 from __future__ import annotations
 
 import json
@@ -160,3 +163,89 @@ def test_depth_pruning_keeps_the_important_layers_and_bad_arguments_are_refused(
         r = CliRunner().invoke(ckpt, ["prune", ck, str(tmp_path / "bad"), "--data", calib, "--samples", "2",
                                       "--seq-len", "16", *args])
         assert r.exit_code != 0 and msg in r.output, (args, r.output)
+
+
+
+def _expected(scores: torch.Tensor, k: int) -> list[int]:
+    """The k most important units, ascending (ties: the lower index), written from the module doc."""
+    return sorted(sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))[:k])
+
+
+def test_ffn_and_head_pruning_equal_the_original_with_those_units_zeroed(tiny_hf, calib, tmp_path):
+    """Removing FFN units and query heads is the same function as zeroing their rows of gate/up and their
+    columns of o_proj in the original: a reference that shares no slicing code with the pruner. The kept
+    units are the most important ones by the calibration activations."""
+    from transformers import AutoModelForCausalLM
+
+    from train.checkpoint.cli import ckpt
+    from train.checkpoint.export_hf import llama_weights
+
+    _, _, _, ck, _ = tiny_hf
+    out = tmp_path / "pruned"
+    r = CliRunner().invoke(ckpt, ["prune", ck, str(out), "--width", "ffn=64,heads=2", "--data", calib,
+                                  "--samples", "8", "--seq-len", "32"])
+    assert r.exit_code == 0, r.output
+    kept = json.load(open(out / "step_00000000" / "manifest.json"))["meta"]["prune"]["kept"]
+    weights, config, _ = llama_weights(ck)
+    model = P.causal_lm(config, weights).eval()
+    imp = P.activation_importance(model, P.calibration_tokens(calib, 8, 32))
+    cfg = model.config
+    per, hd = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    for i, layer in enumerate(model.model.layers):
+        assert kept["ffn"][i] == _expected(imp["ffn"][i], 64)
+        assert kept["heads"][i] == [g * per + j for g in range(cfg.num_key_value_heads)
+                                    for j in _expected(imp["heads"][i, g * per:(g + 1) * per], 1)]
+        with torch.no_grad():
+            drop_f = sorted(set(range(cfg.intermediate_size)) - set(kept["ffn"][i]))
+            layer.mlp.gate_proj.weight[drop_f] = 0.0
+            layer.mlp.up_proj.weight[drop_f] = 0.0
+            for h in set(range(cfg.num_attention_heads)) - set(kept["heads"][i]):
+                layer.self_attn.o_proj.weight[:, h * hd:(h + 1) * hd] = 0.0
+    r = CliRunner().invoke(ckpt, ["export", str(out / "step_00000000"), str(tmp_path / "hf")])
+    assert r.exit_code == 0, r.output
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert pruned.config.intermediate_size == 64 and pruned.config.num_attention_heads == 2
+    tokens = (torch.arange(40).reshape(2, 20) * 37 % 900).long()
+    with torch.no_grad():
+        d = (pruned(tokens).logits - model(tokens).logits).abs().max().item()
+    assert d < 1e-4, d
+
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize("scheme,group,qmax", [("int8-weight", None, 127), ("int4-weight", 32, 7)])
+def test_quantized_weights_are_integers_within_half_a_step(tiny_hf, tiny_ckpt, tmp_path, scheme, group, qmax):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from train.checkpoint.cli import ckpt
+
+    folder, model, *_ = tiny_hf
+    out = tmp_path / scheme
+    r = CliRunner().invoke(ckpt, ["quantize", tiny_ckpt, str(out), "--scheme", scheme])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    src = model.state_dict()
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        for i in range(model.config.num_hidden_layers):
+            for lin in LINEARS:
+                name = f"model.layers.{i}.{lin}"
+                assert f"{name}.weight" not in keys, name  # no float copy of the weight
+                q, scale, zero = (f.get_tensor(f"{name}._weight_{k}") for k in ("qdata", "scale", "zero_point"))
+                w = src[f"{name}.weight"]
+                assert q.dtype == torch.int8 and q.shape == w.shape, name
+                g = group or w.shape[1]  # values per scale: a row (int8) or a group of a row (int4)
+                assert scale.shape == (w.shape[0], w.shape[1] // g) and not zero.any(), name  # symmetric
+                q, w = q.float().reshape(w.shape[0], -1, g), w.reshape(w.shape[0], -1, g)
+                step = scale.unsqueeze(-1)
+                assert q.abs().max() <= qmax + 1 and (q.abs().amax(-1) >= qmax - 1).all(), name  # the range is used
+                assert ((q * step - w).abs() <= step / 2 + 1e-6).all(), name  # rounded to the nearest step
+    quant = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(0, 900, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = model(ids).logits, quant(ids).logits
+    err = ((got - want).norm() / want.norm()).item()
+    assert 0 < err < (0.05 if qmax == 127 else 0.3), err
+    assert json.loads((out / "config.json").read_text())["smoltrain_quantize"]["scheme"] == scheme
