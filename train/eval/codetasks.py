@@ -23,6 +23,7 @@ import contextlib
 import math
 import sys
 import types
+from collections import Counter
 
 CODE_TASKS = ("humaneval", "mbpp")
 
@@ -61,7 +62,7 @@ def score_code(task, samples: list[list[str]], sandbox) -> tuple[dict[str, float
     completions are `samples` (per doc, one or more); per item its programs and executions."""
     n = len(samples[0])
     programs, where = [], []
-    for i, (inst, texts) in enumerate(zip(task.instances, samples, strict=True)):
+    for inst, texts in zip(task.instances, samples, strict=True):
         inst.resps = list(texts)
     task.task.apply_filters()
     for i, inst in enumerate(task.instances):
@@ -78,16 +79,10 @@ def score_code(task, samples: list[list[str]], sandbox) -> tuple[dict[str, float
     for (i, _), prog, res in zip(where, programs, results):
         items[i]["programs"].append(prog)
         items[i]["executions"].append({"status": res.status, "reason": res.reason, "wall_s": round(res.wall_s, 3)})
-    ks = [k for k in (1, 10, 100) if k <= n]
-    metrics = {}
-    for k in ks:
-        per = [pass_at_k(n, sum(e["status"] == "passed" for e in it["executions"]), k) for it in items]
-        metrics[f"pass@{k}"] = sum(per) / len(per)
     for it in items:
         it["passed"] = sum(e["status"] == "passed" for e in it["executions"])
-    statuses: dict[str, int] = {}
-    for it in items:
-        for e in it["executions"]:
-            statuses[e["status"]] = statuses.get(e["status"], 0) + 1
+    metrics = {f"pass@{k}": sum(pass_at_k(n, it["passed"], k) for it in items) / len(items)
+               for k in (1, 10, 100) if k <= n}
+    statuses = Counter(e["status"] for it in items for e in it["executions"])
     metrics.update({f"executions/{s}": float(v) for s, v in sorted(statuses.items())})
     return metrics, items

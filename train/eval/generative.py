@@ -190,7 +190,7 @@ class GenerativeTask:
         before = (st.forwards, st.proposed, st.accepted) if st is not None else None
         completions = engine.generate(self.prompts, self.params())
         texts = [[self._text(c.token_ids) for c in cs] for cs in completions]
-        flat, details = self.score(texts if self.samples > 1 else [t[0] for t in texts])
+        flat, details = self.score(texts if self.sandbox is not None else [t[0] for t in texts])
         for it, c in zip(details["items"], completions, strict=True):  # "stop" or "length" (the budget ran out)
             it["finish_reason"], it["new_tokens"] = c[0].finish_reason, len(c[0].token_ids)
         if st is not None and st.forwards > before[0]:  # prompt-lookup speculative decoding's counts

@@ -193,9 +193,9 @@ COST_COLUMNS = {"size_bytes": ("size MiB", 2**20, 2), "generation_tokens_per_s":
 def table(path: str, metric: str = "acc_norm") -> str:
     """One row per checkpoint: its label (if any record has one) or name, step, tokens, validation loss and
     bpb, the bits per byte of every gold-answer task (`codex_humaneval:gold_bpb_0shot`), then `metric` for
-    every log-likelihood task and their mean, then the generative tasks' headline
-    metrics (GSM8K exact match, strict and flexible; IFEval prompt-level strict, instruction-level loose;
-HumanEval and MBPP pass@1 (pass@10 with 10+ samples); MATH-500 math_verify), then
+    every log-likelihood task and their mean, then the generative tasks' headline metrics (GSM8K exact
+    match, strict and flexible; IFEval prompt-level strict, instruction-level loose; HumanEval and MBPP
+    pass@1, pass@10 with 10+ samples; MATH-500 math_verify), then
     the weights' size on disk and the generation speed when measured (`train eval --hf` records both)."""
     recs = read_results(path)
     labeled = any(r.get("label") for r in recs)
