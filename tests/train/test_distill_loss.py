@@ -107,9 +107,10 @@ def _tp_worker(out: str) -> None:
 
 def test_tensor_parallel_equals_one_rank(tmp_path):
     out = tmp_path / "tp.json"
-    code = f"import sys; sys.path[:0] = {sys.path[:3]!r}; import test_distill_loss as t; t._tp_worker({str(out)!r})"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__) + os.pathsep
-           + os.environ.get("PYTHONPATH", "")}
+    code = f"import test_distill_loss as t; t._tp_worker({str(out)!r})"
+    here = os.path.dirname(os.path.abspath(__file__))  # this file and tests/ (testutil), whatever sys.path holds
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         "--no-python", sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
