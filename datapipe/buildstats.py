@@ -1,5 +1,6 @@
 """What a finished build reports: the counts per source gathered from the tasks' files, the manifest (with
-the dedup reports beside it), the manifest stage, and `datapipe mix`'s rewrite of a dataset's mix."""
+the dedup reports and the dataset card beside it), the manifest stage, and `datapipe mix`'s rewrite of a
+dataset's mix (and card)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ from typing import Any
 import numpy as np
 from datatrove.pipeline.base import PipelineStep
 
+from datapipe.card import write_card
 from datapipe.decisions import kept_path
 from datapipe.dedup.clusters import near_removals
 from datapipe.dedup.clusters import write_report as write_near_report
@@ -114,6 +116,8 @@ def write_manifest(build) -> Manifest:
         write_near_report(build.w("minhash", "cc"), build.cfg.dedup.minhash.cluster_parts,
                           os.path.join(build.out, "dedup", "near_dup_clusters.jsonl"))
     cfgmod.save(dataset_config(build.cfg), os.path.join(build.out, "build_config.yaml"))
+    m.validate()  # before the card that describes it; the manifest is still the last file to appear
+    write_card(build.out, m)
     store_manifest(build.out, m)
     return m
 
@@ -149,5 +153,7 @@ def rewrite_mix(dataset: str, mix_cfg) -> Manifest:
             if w > 0 and n in m.sources and m.sources[n].tokens == 0:
                 raise cfgmod.ConfigError(f"key 'mix.phases.{i}.weights.{n}': source {n!r} has no documents in "
                                          f"{dataset} (see `datapipe report {dataset}`)")
+    m.validate()
+    write_card(dataset, m)
     store_manifest(dataset, m)
     return m

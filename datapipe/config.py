@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from datapipe.card import CardConfig
 from datapipe.executorconfig import ExecutorConfig
 from datapipe.filterspec import FilterSpec
 from datapipe.kinds.config import KindsConfig, RedactConfig, check_chain
@@ -55,8 +57,12 @@ class SourceConfig:
     min_language_score: float | None = None  # keep only documents identified with at least this score
     # chat: JSONL of `messages` or `prompt`/`completion` records, rendered by `chat.template`;
     # preference: JSONL of `prompt`/`chosen`/`rejected` pairs, both sides rendered by `chat.template`;
-    # prompts: JSONL of `prompt` or `messages` (+ optional `answer`) rendered with the generation prompt (RL)
-    format: Literal["auto", "jsonl", "parquet", "text", "chat", "preference", "prompts"] = "auto"
+    # prompts: JSONL of `prompt` or `messages` (+ optional `answer`) rendered with the generation prompt (RL);
+    # save_to_disk: a `datasets` save_to_disk folder (Arrow); hub_parquet: a Hub-style folder (data/SPLIT-*.parquet)
+    format: Literal["auto", "jsonl", "parquet", "arrow", "save_to_disk", "hub_parquet", "text", "chat", "preference",
+                    "prompts"] = "auto"
+    split: str = "train"  # the split a DatasetDict save_to_disk folder or a Hub Parquet folder is read from
+    subset: str | None = None  # a Hub Parquet folder's subset (config) folder; null: data/ (or default/)
     text_field: str = "text"
     id_field: str | None = "id"
     filters: list[FilterSpec] | None = None  # None: the kind's chain (web: default_filters; [] for chat, ...)
@@ -95,8 +101,15 @@ class SourceConfig:
             raise ConfigError(f"source {self.name!r}: key 'chat.truncate': prompts are never truncated (a cut prompt "
                               "loses its question and generation prompt); longer ones are rejected as too_long")
         if self.kind != "web" and self.is_templated:
-            raise ConfigError(f"source {self.name!r}: key 'kind': {self.kind} sources are read as jsonl, parquet or "
-                              f"text, not format {self.format!r}")
+            raise ConfigError(f"source {self.name!r}: key 'kind': {self.kind} sources are read as jsonl, parquet, "
+                              f"arrow, text or a dataset folder, not format {self.format!r}")
+        if not re.fullmatch(r"\w+(\.\w+)*", self.split):
+            raise ConfigError(f"source {self.name!r}: key 'split': {self.split!r} is not a split name (letters, "
+                              "digits, _ and ., as the Hub's)")
+        if self.subset is not None and (self.format not in ("auto", "hub_parquet") or not self.subset.strip()
+                                        or "/" in self.subset):
+            raise ConfigError(f"source {self.name!r}: key 'subset': a folder name of a hub_parquet source, got "
+                              f"{self.subset!r} with format {self.format!r}")
         if self.kind == "code" and self.min_language_score is not None:
             raise ConfigError(f"source {self.name!r}: key 'min_language_score': a code source's languages are "
                               "programming languages, named by file extension, not scored")
@@ -296,6 +309,7 @@ class BuildConfig:
     decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
     mix: MixConfig = field(default_factory=MixConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    card: CardConfig = field(default_factory=CardConfig)  # README.md beside the manifest (datapipe.card)
     seed: int = 0
 
     def validate(self) -> None:

@@ -1,9 +1,11 @@
 """The build's task inputs: the files of every source's paths and globs (any fsspec URL), split into pieces
 (byte ranges of a large JSONL file, row-group ranges of a Parquet file) or, for a code source of many small
 text files, grouped into pieces of several files, in a global order that never depends on the workers.
+A path naming a Hugging Face dataset folder (`datasets` save_to_disk, Hub-style Parquet) stands for its
+files (`datapipe.hfdata`); each Arrow file of a save_to_disk folder is one piece.
 
-Every piece is one task (its rank is its position in the global list). Parquet schemas and JSONL text fields
-are checked here, before any stage runs, so a wrong field name fails once, naming the file.
+Every piece is one task (its rank is its position in the global list). Parquet and Arrow schemas and JSONL
+text fields are checked here, before any stage runs, so a wrong field name fails once, naming the file.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import fsspec
 
 from datapipe.config import SourceConfig
+from datapipe.hfdata import COLUMNAR, FOLDER_FORMATS, SAVED_MARKERS, arrow_columns, folder_files, folder_format
 
 
 class InputError(RuntimeError):
@@ -29,7 +32,7 @@ class InputFile:
     belonging to the piece its line starts in; Parquet: row groups [start, end), `first_row` rows before)."""
     source: str
     url: str
-    fmt: str  # jsonl | parquet | text | chat | preference | prompts
+    fmt: str  # jsonl | parquet | arrow | text | chat | preference | prompts
     start: int = 0
     end: int | None = None  # None: to the end of the file
     first_row: int = 0
@@ -43,7 +46,7 @@ class InputFile:
     @property
     def split(self) -> bool:
         """A JSONL piece of a split file: records are located by byte offset, not line number."""
-        return self.fmt != "parquet" and (self.start > 0 or self.end is not None)
+        return self.fmt not in COLUMNAR and (self.start > 0 or self.end is not None)
 
 
 def _detect(url: str, fmt: str) -> str:
@@ -56,6 +59,8 @@ def _detect(url: str, fmt: str) -> str:
         return "jsonl"
     if name.endswith(".parquet"):
         return "parquet"
+    if name.endswith(".arrow"):
+        return "arrow"
     return "text"
 
 
@@ -63,9 +68,9 @@ def expand_sources(sources: list[SourceConfig], max_task_bytes: int | None = Non
     """The build's global, ordered task inputs (source priority order, then sorted paths, then pieces).
 
     Uncompressed JSONL files larger than `max_task_bytes` are split into byte ranges and Parquet files
-    into groups of row groups, so one large file runs on several cores. Parquet schemas are read here:
-    a source whose text field is not a column fails before anything runs. Fails fast, naming the path,
-    when a path or glob matches nothing."""
+    into groups of row groups, so one large file runs on several cores. Parquet and Arrow schemas are read
+    here: a source whose text field is not a column fails before anything runs. Fails fast, naming the path,
+    when a path or glob matches nothing (or a folder holds no dataset layout, split or subset named)."""
     files: list[InputFile] = []
     for src in sources:
         first = len(files)
@@ -73,25 +78,60 @@ def expand_sources(sources: list[SourceConfig], max_task_bytes: int | None = Non
         sizes: dict[str, int] = {}
         for pattern in src.paths:
             fsys, _, paths = fsspec.get_fs_token_paths(pattern)
-            paths = sorted(p for p in paths if not fsys.isdir(p))
-            if not paths:
-                raise FileNotFoundError(f"source {src.name!r}: path {pattern!r} matches no readable file")
             proto = fsys.protocol if isinstance(fsys.protocol, str) else fsys.protocol[0]
             base = _glob_base(fsys._strip_protocol(pattern))
-            for p in paths:
-                url = p if proto in ("file", "local") else f"{proto}://{p}"
+            local = proto in ("file", "local")
+            found: list[tuple[str, str, str]] = []  # (path, file format, the folder its id is relative to)
+            for p in sorted(paths):
+                url = p if local else f"{proto}://{p}"
+                if fsys.isdir(p):
+                    layout = _folder_layout(fsys, p, pattern, src)
+                    if layout:
+                        found += [(q, fmt, p) for q, fmt in folder_files(fsys, p, url, layout, src)]
+                elif src.format not in FOLDER_FORMATS:
+                    found.append((p, _detect(url, src.format), base))
+                elif not _is_glob(pattern):  # a glob's files beside the folders it matches are not read
+                    raise FileNotFoundError(f"source {src.name!r}: format {src.format} reads a folder, and "
+                                            f"{url} is a file")
+            if not found:
+                raise FileNotFoundError(f"source {src.name!r}: path {pattern!r} matches no readable file")
+            for p, fmt, root in found:
+                url = p if local else f"{proto}://{p}"
                 if url not in seen:
                     seen.add(url)
-                    rel = posixpath.relpath(p, base) if base and p != base else posixpath.basename(p)
-                    whole = InputFile(src.name, url, _detect(url, src.format), rel=rel)
-                    if whole.fmt == "parquet":
+                    rel = posixpath.relpath(p, root) if root and p != root else posixpath.basename(p)
+                    whole = InputFile(src.name, url, fmt, rel=rel)
+                    if fmt == "parquet":
                         files += _parquet_pieces(whole, src, max_task_bytes)
+                    elif fmt == "arrow":
+                        files.append(_arrow_checked(whole, src))
                     else:
                         sizes[url] = fsys.size(p)
                         files += _byte_pieces(whole, sizes[url], max_task_bytes)
         if src.kind == "code":
             files[first:] = _group_files(files[first:], sizes, max_task_bytes)
     return files
+
+
+def _folder_layout(fsys, path: str, pattern: str, src: SourceConfig) -> str | None:
+    """save_to_disk or hub_parquet when the folder `path` is read as one: with such a `format:`, any folder
+    the pattern matches; with `format: auto`, a pattern naming a folder (no glob), whose layout must be one."""
+    if src.format not in FOLDER_FORMATS + ("auto",):
+        return None
+    if src.format != "auto":
+        return src.format
+    if _is_glob(pattern):
+        return None  # a glob's folders (a code tree's): skipped, as before
+    layout = folder_format(fsys, path, src.subset)
+    if layout is None:
+        raise FileNotFoundError(f"source {src.name!r}: path {pattern!r} is a folder with neither a datasets "
+                                f"save_to_disk layout ({', '.join(SAVED_MARKERS)}) nor a Hub Parquet layout "
+                                f"(data/*.parquet); name its files with a glob, e.g. {pattern.rstrip('/')}/*.jsonl")
+    return layout
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
 
 
 def _group_files(files: list[InputFile], sizes: dict[str, int], max_bytes: int | None,
@@ -155,6 +195,15 @@ def _parquet_pieces(f: InputFile, src: SourceConfig, max_bytes: int | None) -> l
     if not pieces:
         return [f]
     return pieces + [InputFile(f.source, f.url, f.fmt, start, None, first_row, f.rel)]
+
+
+def _arrow_checked(f: InputFile, src: SourceConfig) -> InputFile:
+    """An Arrow file whose schema holds the text field (one piece: a stream has no index to split it by)."""
+    names = arrow_columns(f.url)
+    if src.text_field not in names:
+        raise KeyError(f"source {src.name!r}: text field {src.text_field!r} is not a column of {f.url} "
+                       f"(columns: {', '.join(names)})")
+    return f
 
 
 def open_binary(url: str) -> io.BufferedIOBase:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from datapipe.config import BuildConfig
+from datapipe.hfdata import COLUMNAR, record_batches
 from datapipe.inputs import InputFile, open_binary, expand_sources
 
 PER_PIECE = ("scan", "tokenize")
@@ -93,23 +94,18 @@ def _sample_source(files: list[InputFile], want: int, out_path: str, text_field:
     picks = [urls[round(i * (len(urls) - 1) / max(1, min(8, len(urls)) - 1))] for i in range(min(8, len(urls)))]
     per_file = want // len(picks) + 1
     raw = 0
-    fmt = files[0].fmt
+    fmt_of = {f.url: f.fmt for f in files}
     with open(out_path, "wb") as out:
         for url in dict.fromkeys(picks):
-            got = 0
-            if fmt == "parquet":
-                import pyarrow.parquet as pq
-
-                with fsspec.open(url, "rb") as fh:
-                    pf = pq.ParquetFile(fh)
-                    cols = [c for c in (text_field, id_field) if c and c in pf.schema_arrow.names]
-                    for batch in pf.iter_batches(columns=cols, batch_size=256):
-                        for rec in batch.to_pylist():
-                            line = json.dumps(rec, ensure_ascii=False).encode() + b"\n"
-                            out.write(line)
-                            got += len(line)
-                        if got >= per_file:
-                            break
+            got, fmt = 0, fmt_of[url]
+            if fmt in COLUMNAR:
+                for batch in record_batches(url, fmt, [c for c in (text_field, id_field) if c], batch_size=256):
+                    for rec in batch.to_pylist():
+                        line = json.dumps(rec, ensure_ascii=False).encode() + b"\n"
+                        out.write(line)
+                        got += len(line)
+                    if got >= per_file:
+                        break
             elif url.lower().endswith((".gz", ".zst", ".zstd")):  # not seekable: its first records
                 with open_binary(url) as fh:
                     for line in fh:
@@ -174,8 +170,8 @@ def make_plan(cfg: BuildConfig, nodes: int, cpus_per_node: int, sample_mb: float
             else:
                 raw_sample += _sample_source(mine, want, path, s.text_field, s.id_field)
             s.paths = [path]
-            if s.format in ("auto", "parquet", "text"):
-                s.format = "jsonl"
+            if not s.is_templated:  # auto, parquet, arrow, save_to_disk, hub_parquet, text
+                s.format, s.subset = "jsonl", None
         build = Build(scfg, workers=1, fresh=True)
         old = os.environ.get("TOKENIZERS_PARALLELISM")
         if cpus > 1:  # timed as the build's workers run: one process per CPU, BPE encoding single-threaded

@@ -1,7 +1,9 @@
-"""Read raw documents of one task's input (`datapipe.inputs`: JSONL .gz/.zst, Parquet, plain text files) as a
-datatrove step. Bad records never stop a build: a malformed
-JSONL line, bytes that are not UTF-8, a missing or non-string text field, an empty or oversized
-document are written to `rejects/read/` with file, line and reason, and counted.
+"""Read raw documents of one task's input (`datapipe.inputs`: JSONL .gz/.zst, Parquet, Arrow files of a
+`datasets` save_to_disk folder, plain text files) as a datatrove step. Bad records never stop a build: a
+malformed JSONL line, bytes that are not UTF-8, a missing (in Parquet or Arrow: null) or non-string text
+field, an empty or oversized document are written to `rejects/read/` with file, line (Parquet and Arrow:
+row; a piece of a split JSONL file: byte offset) and reason, and counted. Parquet and Arrow files are read
+one record batch at a time (`datapipe.hfdata.record_batches`).
 
 A `format: chat` source is JSONL of conversations: each record is checked (`storage.chat`), its message
 contents normalised, and it is rendered by the source's chat template when read; the document's text is
@@ -23,12 +25,12 @@ import dataclasses
 import json
 import os
 
-import fsspec
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
 from storage.chat import ConversationError, render, validate_conversation
 from datapipe.config import NormalizeConfig, SourceConfig
+from datapipe.hfdata import COLUMNAR, record_batches
 from datapipe.inputs import InputError, InputFile, open_binary
 from datapipe.kinds.config import CodeFields
 from datapipe.normalize import normalize_text
@@ -66,7 +68,7 @@ class SourceReader(PipelineStep):
         with self._reject_writer() as rej:
             for lineno, text, doc_id, err, *extra in self._records(f, src):
                 self.stat_update("read")
-                meta = {"source": f.source, "file": f.url, "offset" if f.split else "line": lineno}
+                meta = {"source": f.source, "file": f.url, _where_key(f): lineno}
                 if isinstance(err, ConversationError):
                     self.stat_update(f"dropped_read:{err.reason}")
                     err = str(err)
@@ -99,7 +101,7 @@ class SourceReader(PipelineStep):
         where = "its start"
         try:
             for rec in self._raw_records(f, src):
-                where = f"{'byte offset' if f.split else 'row' if f.fmt == 'parquet' else 'line'} {rec[0]}"
+                where = f"{'byte offset' if f.split else _where_key(f)} {rec[0]}"
                 yield rec
         except (OSError, EOFError, ValueError) as e:
             if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
@@ -108,8 +110,8 @@ class SourceReader(PipelineStep):
 
     def _raw_records(self, f: InputFile, src: SourceConfig):
         base = os.path.basename(f.url)
-        if f.fmt == "parquet":
-            yield from self._parquet(f, src, base)
+        if f.fmt in COLUMNAR:
+            yield from self._columnar(f, src, base)
             return
         if f.fmt == "text":
             yield from self._text_files(f, src)
@@ -225,22 +227,22 @@ class SourceReader(PipelineStep):
                 out[key] = value if isinstance(value, str) else [str(v) for v in value]
         return out
 
-    def _parquet(self, f: InputFile, src: SourceConfig, base: str):
-        import pyarrow.parquet as pq
+    def _columnar(self, f: InputFile, src: SourceConfig, base: str):
+        """The rows of a Parquet or Arrow file as records of the columns a source reads; a null value is a
+        missing field, as a key absent from a JSONL record."""
+        want = [src.text_field, src.id_field, *(dataclasses.astuple(self.code_fields) if src.kind == "code" else ())]
+        row = f.first_row
+        for batch in record_batches(f.url, f.fmt, list(dict.fromkeys(c for c in want if c)), f.start, f.end):
+            cols = batch.to_pydict()
+            for i in range(batch.num_rows):
+                row += 1
+                rec = {c: v[i] for c, v in cols.items() if v[i] is not None}
+                yield (row, *self._from_record(rec, src, f"{src.name}/{base}:{row}"))
 
-        with fsspec.open(f.url, "rb") as fh:
-            pf = pq.ParquetFile(fh)
-            names = pf.schema_arrow.names
-            extra = [c for c in dataclasses.astuple(self.code_fields) if c and c in names] if src.kind == "code" else []
-            cols = list(dict.fromkeys([src.text_field] + ([src.id_field] if src.id_field in names else []) + extra))
-            row = f.first_row
-            groups = range(f.start, pf.num_row_groups if f.end is None else f.end)
-            for batch in pf.iter_batches(columns=cols, batch_size=4096, row_groups=groups):
-                d = batch.to_pydict()
-                for i, text in enumerate(d[src.text_field]):
-                    row += 1
-                    rec = {c: d[c][i] for c in cols}
-                    yield (row, *self._from_record(rec, src, f"{src.name}/{base}:{row}"))
+
+def _where_key(f: InputFile) -> str:
+    """The metadata key of a record's place in its file: offset (a piece of a split JSONL file), row, line."""
+    return "offset" if f.split else "row" if f.fmt in COLUMNAR else "line"
 
 
 def _lines(fh, f: InputFile):

@@ -18,6 +18,8 @@ SOURCE_KINDS = ("text", "chat", "preference", "prompts")
 MASKED_KINDS = ("chat", "preference")  # sources whose blocks carry loss masks (format 2)
 
 
+MIN_LANGUAGE_SHARE = 0.01  # a card names a language holding this share of a source's kept documents
+
 @dataclass
 class TokenizerInfo:
     file: str
@@ -99,6 +101,20 @@ class Manifest:
     @property
     def total_tokens(self) -> int:
         return sum(s.tokens for s in self.sources.values())
+
+    def languages(self) -> list[str]:
+        """The ISO codes holding at least MIN_LANGUAGE_SHARE of some source's documents kept by the filters,
+        most documents first, then `code` (the Hub's code for programming languages) if a source is code:
+        the `language` of the dataset card and of the model cards of models trained on it."""
+        kept: dict[str, int] = {}
+        for s in self.sources.values():
+            counts = {k[len("kept_language:"):]: v for k, v in s.stats.items() if k.startswith("kept_language:")}
+            total = sum(counts.values())
+            for lang, n in counts.items():
+                if n > 0 and n >= MIN_LANGUAGE_SHARE * total:
+                    kept[lang] = kept.get(lang, 0) + n
+        out = sorted(kept, key=lambda lang: (-kept[lang], lang))
+        return out + ["code"] if any(s.content == "code" for s in self.sources.values()) else out
 
 
 def validate_mix(mix: list[Phase], sources: dict[str, Any] | list[str]) -> None:

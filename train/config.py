@@ -128,9 +128,33 @@ class SpikeConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (train.monitor.trackers): one W&B run per training run, continued on resume."""
+    enabled: bool = False
+    project: str = "smoltrain"
+    entity: str = ""                 # team or user ("": your default entity)
+    name: str = ""                   # run name ("": the run directory's name)
+    mode: Literal["online", "offline"] = "online"  # offline: a local run folder that `wandb sync` uploads later
+    dir: str = ""                    # where the wandb/ folder goes ("": RUN_DIR)
+    tags: list[str] = field(default_factory=list)
+    init_timeout_s: float = 90.0     # give up on an unreachable server after this (one warning, training goes on)
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (train.monitor.trackers): one MLflow run per training run, continued on resume."""
+    enabled: bool = False
+    tracking_uri: str = ""           # http(s)://server, sqlite:///path.db, databricks ("": $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db)
+    experiment: str = "smoltrain"    # created when missing
+    run_name: str = ""               # "": the run directory's name
+
+
+@dataclass
 class MonitorConfig:
-    log_every: int = 10              # steps between console/JSONL/TensorBoard records
+    log_every: int = 10              # steps between console/JSONL/TensorBoard/tracker records
     tensorboard: bool = True         # also write TensorBoard events to RUN_DIR/tb
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     peak_flops: float | None = None  # per device; null: H100/H200 defaults on CUDA, MFU off on CPU
     comm_share: bool = True          # time collectives (train.monitor.comm) and log comm_share: the step's share blocked in them
 

@@ -64,7 +64,7 @@ class Trainer:
         self.loader = make_loader(cfg, par, objective.data)
         self.docs = _document_settings(cfg, objective, self.model)
         self.spikes = SpikeDetector(cfg.spike)
-        self.sinks = Sinks(self.run_dir, cfg.monitor.tensorboard, enabled=par.rank == 0)
+        self.sinks = Sinks(self.run_dir, cfg.monitor, enabled=par.rank == 0, config=cfgmod.to_plain(cfg))
         self.objective = objective(cfg, par, self.model, self.sinks)
         self.state = TrainState(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                 loader=self.loader, objective=self.objective,
@@ -280,7 +280,7 @@ class Trainer:
             self.ckpt = None
         self.objective.close()
         self.loader.close()
-        self.sinks.close()
+        self.sinks.close(self.state.step)
 
 
 def _document_settings(cfg: TrainConfig, objective, model: list) -> dict:

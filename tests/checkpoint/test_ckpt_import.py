@@ -62,7 +62,9 @@ def imported(tmp_path_factory):
     out = {}
     for name, tied, dtype in (("tied", True, torch.float32), ("untied", False, torch.float32),
                               ("bf16", False, torch.bfloat16)):
-        folder = make_hf_folder(str(base / f"hf-{name}"), tied, dtype)
+        # the tied one where the Hub's cache puts a download: its export's card names it as base_model
+        where = base / "models--HuggingFaceTB--SmolLM2-tied" / "snapshots" / "0a1b" if tied else base / f"hf-{name}"
+        folder = make_hf_folder(str(where), tied, dtype)
         out[name] = (folder, import_folder(folder, str(base / f"ckpt-{name}"), timeout=300))
     return out
 
@@ -94,6 +96,10 @@ def test_import_export_round_trip_is_tensor_identical(imported, name, tmp_path):
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(str(out)).chat_template == CHATML
+    from huggingface_hub import ModelCard
+
+    assert ModelCard.load(out / "README.md").data.base_model == ("HuggingFaceTB/SmolLM2-tied" if name == "tied"
+                                                                  else None)
     cfg = json.loads((out / "config.json").read_text())
     orig = json.loads(open(os.path.join(folder, "config.json")).read())
     assert cfg["eos_token_id"] == orig["eos_token_id"] and cfg["tie_word_embeddings"] == (name == "tied")

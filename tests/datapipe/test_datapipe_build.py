@@ -247,6 +247,67 @@ def test_mix_and_manifest(built):
     assert os.path.exists(os.path.join(cfg.output, "build_config.yaml"))
 
 
+def _card_table(text: str, heading: str) -> list[dict[str, str]]:
+    """The rows of the Markdown table under `## heading`, as {column: cell}."""
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("|")]
+    return [dict(zip(rows[0], r)) for r in rows[2:]]
+
+
+def _n(cell: str) -> int:
+    return int(cell.replace(",", ""))
+
+
+def test_dataset_card_loads_and_matches_the_manifest(built):
+    """README.md beside the manifest: Hub metadata that huggingface_hub reads (codes and buckets from the
+    lists `datasets` ships), and every count of its tables equal to the manifest's."""
+    import datasets
+    from huggingface_hub import DatasetCard
+
+    from datapipe.card import card_text
+
+    cfg, _, _ = built
+    m = read_manifest(cfg.output)
+    path = os.path.join(cfg.output, "README.md")
+    card = DatasetCard.load(path)
+    meta = card.data.to_dict()
+    resources = Path(datasets.__file__).parent / "utils" / "resources"
+    known_languages = json.loads((resources / "languages.json").read_text())
+    assert meta["language"] == ["en"] and all(code in known_languages for code in meta["language"])
+    documents = sum(s.documents for s in [*m.sources.values(), *m.validation.values()])
+    assert meta["size_categories"] == ["n<1K"] and documents < 1000
+    assert meta["size_categories"][0] in json.loads((resources / "size_categories.json").read_text())
+    assert meta["license"] == "other" and "sets no licence" in card.text  # card.license unset
+    assert meta["task_categories"] == ["text-generation"] and meta["pretty_name"] == "out"
+    assert meta["tags"] == ["smoltrain", "web"] and meta["multilinguality"] == "monolingual"
+
+    sources = {r["source"]: r for r in _card_table(card.text, "Sources")}
+    for name, s in m.sources.items():
+        row = sources[name]
+        assert (row["kind"], row["records"]) == (s.content, s.kind)
+        assert [_n(row[k]) for k in ("read", "documents", "tokens", "held-out documents", "held-out tokens")] == \
+            [s.stats["read"], s.documents, s.tokens, s.stats["validation_documents"], s.stats["validation_tokens"]]
+    assert _n(sources["**total**"]["tokens"]) == m.total_tokens
+    drops = {(r["source"], r["step"].strip("`")): _n(r["dropped"]) for r in _card_table(card.text, "Filters")}
+    assert drops == {(n, k[len("dropped_"):]): v for n, s in m.sources.items() for k, v in s.stats.items()
+                     if k.startswith("dropped_") and ":" not in k}
+    assert drops[("docs", "1_gopher_quality")] > 0
+    for r in _card_table(card.text, "Deduplication and decontamination"):
+        st = m.sources[r["source"]].stats
+        assert [_n(r[k]) for k in ("exact duplicates", "near duplicates", "decontaminated")] == \
+            [st["exact_duplicates"], st["near_duplicates"], st["decontaminated"]]
+    mix = _card_table(card.text, "Mix")
+    assert [(r["phase"], _n(r["tokens"])) for r in mix] == [(ph.name, ph.tokens) for ph in m.mix]
+    for r, ph in zip(mix, m.mix):
+        assert {n: float(r[n]) for n in ph.weights} == pytest.approx(ph.weights, rel=1e-5)
+    # a function of the manifest alone (no clock): the same manifest, the same bytes
+    assert Path(path).read_text() == card_text(m)
+    m.build_config["card"] = {"license": "cc-by-4.0", "pretty_name": "Smol web", "tags": ["fortunes"]}
+    meta = DatasetCard(card_text(m)).data.to_dict()
+    assert (meta["license"], meta["pretty_name"], meta["tags"]) == ("cc-by-4.0", "Smol web", ["smoltrain", "web", "fortunes"])
+
+
 @pytest.mark.slow
 def test_same_output_with_two_workers(built):
     cfg, _, root = built
@@ -259,6 +320,8 @@ def test_same_output_with_two_workers(built):
             assert filecmp.cmp(os.path.join(cfg.output, s.path), os.path.join(cfg2.output, s.path), shallow=False)
     a.build_config.pop("output"), b.build_config.pop("output")
     assert a == b
+    card_a, card_b = (Path(out, "README.md").read_text() for out in (cfg.output, cfg2.output))
+    assert card_b == card_a.replace("pretty_name: out\n", "pretty_name: out2\n").replace("\n# out\n", "\n# out2\n")
 
 
 def test_block_sizes_follow_config(built):

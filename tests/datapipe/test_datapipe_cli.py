@@ -56,6 +56,8 @@ def test_mix_rewrites_schedule_only(demo, tmp_path):
     after = read_manifest(str(demo))
     assert [(p.name, p.tokens) for p in after.mix] == [("a", 600), ("b", 400)]
     assert after.sources == before.sources and after.build_stats == before.build_stats
+    card = (demo / "README.md").read_text()  # the dataset card's mix table follows (sources: stdlib, topics, code)
+    assert "| a | 600 | 1 |  |  |\n| b | 400 | 1 | 3 |  |\n" in card and "| stable |" not in card
 
 
 @pytest.mark.parametrize("phases, total, message", [

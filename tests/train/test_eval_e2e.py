@@ -178,6 +178,31 @@ def test_table_and_plot(run, evaluated):
     r = _cli("train.cli", "plot", str(run / "run"))
     assert r.returncode == 0, r.stderr
     assert (run / "run" / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the export's model card: the Hub's metadata (huggingface_hub reads it), this checkpoint's results as
+    # model-index, the table `train eval --table` printed for it, the recipe
+    from click.testing import CliRunner
+    from huggingface_hub import ModelCard
+
+    from train.checkpoint.cli import ckpt
+
+    out = run / "hf_card"
+    r = CliRunner().invoke(ckpt, ["export", str(run / "run" / "checkpoints" / "step_00000040"), str(out),
+                                  "--license", "apache-2.0"])
+    assert r.exit_code == 0, r.output
+    card = ModelCard.load(out / "README.md")
+    d = card.data
+    assert (d.license, d.library_name, d.pipeline_tag, d.datasets) == ("apache-2.0", "transformers",
+                                                                       "text-generation", ["data"])
+    assert "pretrain" in d.tags and d.base_model is None
+    got = {(e.dataset_type, e.metric_type): e.metric_value for e in d.eval_results}
+    for task, t in res["tasks"].items():
+        for metric in ("acc", "acc_norm", "bpb"):
+            if metric in t["metrics"]:
+                assert got.pop((task, metric)) == t["metrics"][metric], (task, metric)
+    assert got.pop(("validation", "bpb")) == res["metrics"]["val/all/bpb"]
+    block = card.text.split("```")[1].strip().splitlines()
+    assert block[0].split() == lines[0].split() and block[1].split() == rows[1]
+    assert "| 0 | pretrain | random init | 40 | 128 | 0.003 (0.0003) |" in card.text
 
 
 def test_bad_input_messages(run, tmp_path):

@@ -4,6 +4,7 @@ import json
 from click.testing import CliRunner
 
 from train.cli import main
+from train.config import MonitorConfig
 from train.monitor.metrics import Sinks, format_record, memory_stats
 
 
@@ -14,7 +15,7 @@ def _rec(step, **kw):
 
 
 def test_sinks_write_jsonl_tensorboard_and_console(tmp_path, capsys):
-    s = Sinks(tmp_path, tensorboard=True)
+    s = Sinks(tmp_path, MonitorConfig(tensorboard=True))
     for i in range(1, 4):
         s.log(_rec(i, mfu=0.25 if i == 3 else None))
     s.event(3, "warning", "MFU 25.0% is below 30%")
@@ -24,7 +25,7 @@ def test_sinks_write_jsonl_tensorboard_and_console(tmp_path, capsys):
     assert any((tmp_path / "tb").iterdir())
     out = capsys.readouterr()
     assert "loss 4.7000" in out.out and "MFU 25.0%" in out.out and "[warning] step 3" in out.err
-    Sinks(tmp_path / "other", tensorboard=True, enabled=False).log(_rec(1))  # non-zero ranks write nothing
+    Sinks(tmp_path / "other", MonitorConfig(tensorboard=True), enabled=False).log(_rec(1))  # non-zero ranks write nothing
     assert not (tmp_path / "other").exists()
 
 
@@ -40,7 +41,7 @@ def test_format_record_shows_skips_and_comm_share():
 
 
 def test_plot_writes_png(tmp_path):
-    s = Sinks(tmp_path, tensorboard=False)
+    s = Sinks(tmp_path, MonitorConfig(tensorboard=False))
     for i in range(1, 6):
         s.log(_rec(i, mfu=0.3))
     s.close()

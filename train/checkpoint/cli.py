@@ -74,9 +74,17 @@ def verify_cmd(root: str, names: tuple[str, ...], sizes_only: bool) -> None:
 @click.option("--tokenizer", help="tokenizer.json to include (default: the one recorded in the checkpoint)")
 @click.option("--num-heads", type=int, help="Override the model's attention heads")
 @click.option("--num-kv-heads", type=int, help="Override the model's KV heads")
+@click.option("--license", "license_id", help="The model card's license (a Hub license id, e.g. apache-2.0; "
+              "default: other)")
+@click.option("--eval", "eval_json", type=click.Path(exists=True, dir_okay=False),
+              help="A `train eval` result JSON for the card (default: RUN_DIR/eval/<checkpoint>.json if present)")
 def export_cmd(checkpoint: str, out_dir: str, tokenizer: str | None, num_heads: int | None,
-               num_kv_heads: int | None) -> None:
-    """Export CHECKPOINT (a step_… folder) to a Hugging Face Llama folder OUT_DIR."""
+               num_kv_heads: int | None, license_id: str | None, eval_json: str | None) -> None:
+    """Export CHECKPOINT (a step_… folder) to a Hugging Face Llama folder OUT_DIR, with a model card
+    (README.md: the Hub's metadata, the checkpoint's evaluation results, the training recipe)."""
+    import json
+
+    from train.checkpoint import model_card
     from train.checkpoint.export_hf import export
 
     if "://" in checkpoint and not checkpoint.startswith("file://"):
@@ -85,7 +93,9 @@ def export_cmd(checkpoint: str, out_dir: str, tokenizer: str | None, num_heads: 
     problems = layout.verify(fsspec.filesystem("file"), root, name)
     if problems:
         raise click.ClickException(f"{checkpoint} does not verify: " + "; ".join(problems[:5]))
-    cfg = export(checkpoint, out_dir, tokenizer, {"num_heads": num_heads, "num_kv_heads": num_kv_heads})
+    rec = json.loads(open(eval_json).read()) if eval_json else None
+    card = model_card.build(checkpoint, license_id, rec)
+    cfg = export(checkpoint, out_dir, tokenizer, {"num_heads": num_heads, "num_kv_heads": num_kv_heads}, card=card)
     click.echo(f"exported {cfg['smoltrain_checkpoint']['name']} ({cfg['num_hidden_layers']} layers, "
                f"hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}) to {out_dir}")
 

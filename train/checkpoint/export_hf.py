@@ -192,12 +192,12 @@ def _copy_carried(src: str, out_dir: str) -> dict:
 
 
 def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides: dict | None = None,
-           eos_token: str | None = None) -> dict:
+           eos_token: str | None = None, card: str | None = None) -> dict:
     """Write the HF folder; returns the config written. The EOS token (also BOS and padding) is `eos_token`,
     else the EOS of the dataset the tokenizer belongs to, else the tokenizer's only special token.
     An imported checkpoint (train ckpt import) without a recorded dataset tokenizer gets its carried
     tokenizer files back verbatim. The chat template of the tokenizer's dataset (manifest `chat_template`),
-    when known, goes into tokenizer_config.json."""
+    when known, goes into tokenizer_config.json. `card`: README.md's text (train.checkpoint.model_card)."""
     from safetensors.torch import save_file
 
     from storage import atomic
@@ -228,6 +228,9 @@ def export(ckpt_dir: str, out_dir: str, tokenizer: str | None = None, overrides:
             if n < hf["model.embed_tokens.weight"].shape[0]:
                 config["pad_token_id"] = n
         save_file(hf, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        if card is not None:
+            with open(os.path.join(out, "README.md"), "w") as f:
+                f.write(card)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(config, f, indent=1)
         if not (carried and not tok and os.path.isfile(os.path.join(carried, "generation_config.json"))):

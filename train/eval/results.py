@@ -197,7 +197,11 @@ def table(path: str, metric: str = "acc_norm") -> str:
     match, strict and flexible; IFEval prompt-level strict, instruction-level loose; HumanEval and MBPP
     pass@1, pass@10 with 10+ samples; MATH-500 math_verify), then
     the weights' size on disk and the generation speed when measured (`train eval --hf` records both)."""
-    recs = read_results(path)
+    return format_table(read_results(path), metric)
+
+
+def format_table(recs: list[dict], metric: str = "acc_norm") -> str:
+    """`table` of these records (a model card shows its checkpoint's)."""
     labeled = any(r.get("label") for r in recs)
     every = {t: d for r in recs for t, d in r.get("tasks", {}).items()}
     bpb = sorted(t for t, d in every.items() if not d.get("generative") and "bpb" in d.get("metrics", {}))

@@ -1,4 +1,4 @@
-"""Training metrics: FLOPs per token and MFU, memory, sinks (console, JSONL, TensorBoard), alerts.
+"""Training metrics: FLOPs per token and MFU, memory, sinks (console, JSONL, TensorBoard, trackers), alerts.
 
 FLOPs per token (training = forward + backward = 3 × forward, matmuls only, PaLM appendix B convention):
     6 · (L · (attention + MLP matmul params) + V · h)  +  12 · L · s · h_q
@@ -74,24 +74,31 @@ def memory_stats() -> dict:
 
 
 class Sinks:
-    """Rank 0 writes each record to the console, `metrics.jsonl` and TensorBoard (`tb/`)."""
+    """Rank 0 writes each record to the console, `metrics.jsonl`, TensorBoard (`tb/`) and the configured
+    experiment trackers (train.monitor.trackers: W&B, MLflow, on their own threads)."""
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool, enabled: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, monitor=None, enabled: bool = True, config: dict | None = None):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._jsonl = None
         self._tb = None
+        self._trackers = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+        history = (self.run_dir / "metrics.jsonl", self._jsonl.tell())  # a resumed run's records so far
+        if monitor is not None and monitor.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(self.run_dir / "tb"))
             except ImportError:  # tensorboard is a declared dependency; stay usable without it
                 self._tb = None
+        if monitor is not None and (monitor.wandb.enabled or monitor.mlflow.enabled):
+            from train.monitor.trackers import Trackers
+
+            self._trackers = Trackers(monitor, self.run_dir, config or {}, history)
 
     def log(self, rec: dict) -> None:
         if not self.enabled:
@@ -102,11 +109,14 @@ class Sinks:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k not in ("step", "time") and v is not None:
                     self._tb.add_scalar(f"train/{k}", v, rec["step"])
+        if self._trackers is not None:
+            self._trackers.log_train(rec)
         print(format_record(rec), file=sys.stdout, flush=True)
+        self._tracker_warnings(rec["step"])
 
     def log_eval(self, step: int, consumed_tokens: int, metrics: dict) -> None:
         """An evaluation record (`val/<source>/...`, `eval/<task>/...`, `eval_time_s`): JSONL, TensorBoard
-        under its own tags, and one console line."""
+        under its own tags, the trackers (the scalars, and the record as an `eval_table`), one console line."""
         if not self.enabled:
             return
         rec = {"time": time.time(), "step": step, "consumed_tokens": consumed_tokens, "kind": "eval", **metrics}
@@ -115,7 +125,10 @@ class Sinks:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(k if "/" in k else f"eval/{k}", v, step)
+        if self._trackers is not None:
+            self._trackers.log_eval(step, metrics)
         print(format_eval(rec), file=sys.stdout, flush=True)
+        self._tracker_warnings(step)
 
     def event(self, step: int, kind: str, message: str) -> None:
         """Alerts and notable events: console (stderr) and JSONL."""
@@ -124,7 +137,22 @@ class Sinks:
         self._jsonl.write(json.dumps({"time": time.time(), "step": step, "event": kind, "message": message}) + "\n")
         print(f"[{kind}] step {step}: {message}", file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def _tracker_warnings(self, step: int) -> None:
+        for w in self._trackers.warnings() if self._trackers is not None else ():
+            self.event(step, "warning", w)
+
+    def close(self, step: int = 0) -> None:
+        """Flush and close; the trackers get the run's plots (train plot's PNGs) and finish."""
+        if self._trackers is not None:
+            try:
+                from train.monitor.plot import plot
+
+                png = plot(self.run_dir)
+                self._trackers.images([p for p in (png, png.parent / "eval.png") if p.exists()], step)
+            except Exception as e:  # noqa: BLE001 - plots are a courtesy to the tracker, never a failure
+                self.event(step, "warning", f"no plots for the trackers: {e}")
+            self._trackers.close()
+            self._tracker_warnings(step)
         if self._jsonl:
             self._jsonl.close()
         if self._tb is not None:
