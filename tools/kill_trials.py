@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                                           f"full checkpoints every 6 steps + incremental every 2; kill points {window})")
     cmd = "python -m tools.kill_trials " + " ".join(argv if argv is not None else sys.argv[1:])
     print("\n".join(["", *lines, f"total {time.monotonic() - t0:.0f} s"]))
-    if a.report:  # appended, as tools/bench/ scripts append to docs/benchmarks.md
+    if a.report:  # appended, as tools/bench/ scripts append to docs/benchmarks-history.md
         body = [f"## {time.strftime('%Y-%m-%d')}: `{cmd.strip()}`", "",
                 f"{os.cpu_count()} CPUs, {(time.monotonic() - t0) / 60:.0f} min in all.", "", *lines, "",
                 "Per trial:", "", "```", *[line(t) for t in builds + trains], "```", "", ""]

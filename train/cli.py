@@ -71,8 +71,11 @@ def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoin
               "row per checkpoint (labels, in the order evaluated, if any), one column per task.")
 @click.option("--tasks", default=None, help="Comma-separated task specs (default: eval.tasks, else the "
               "early-signal set); NAME=FILE.jsonl adds a task of your own.")
-@click.option("--limit", type=int, default=None, help="Items per task, a deterministic subsample (default eval.limit; "
-              "generative tasks: eval.generation.limit, else eval.limit).")
+@click.option("--limit", type=int, default=None, help="Items per task (default eval.limit; generative tasks: "
+              "eval.generation.limit, else eval.limit): a deterministic subsample spread over the task, the same items "
+              "every run (each result item records its index in the task's data), or with --first the first N.")
+@click.option("--first", is_flag=True, help="--limit takes each task's first N items, as lm-eval's --limit does "
+              "(eval.limit_mode=first).")
 @click.option("--validation-tokens", type=int, default=None, help="Held-out tokens per source (0: no validation loss).")
 @click.option("--all", "every", is_flag=True, help="Every checkpoint of RUN_DIR (default: the newest); a "
               "single unlabeled RUN_DIR target only.")
@@ -89,8 +92,8 @@ def launch(cfg: TrainConfig, config_path, nproc, nnodes, node_rank, rdzv_endpoin
               show_default=True, help="With --table: the metric shown per task.")
 @click.option("--unsafe-exec", is_flag=True, help="Code tasks (humaneval, mbpp) on a machine without bubblewrap: run "
               "the generated programs in bare subprocesses (same limits, no isolation). Without it they are refused.")
-def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, every, nproc, overrides, config_path,
-             tokenizer, out, metric, unsafe_exec):
+def eval_cmd(targets, hf_folder, table_dir, tasks, limit, first, validation_tokens, every, nproc, overrides,
+             config_path, tokenizer, out, metric, unsafe_exec):
     """Evaluate checkpoints (any TP/PP layout, resharded on load), a run's checkpoints, or a HF folder:
     validation loss per source (loss, ppl, bits/byte), multiple-choice benchmarks (acc, acc_norm, acc_token),
     bits per byte of canonical answers (codex_humaneval:gold_bpb_0shot, codex_mbpp:..., minerva_math_500:...)
@@ -123,6 +126,8 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, validation_tokens, eve
     task_list = [t for t in tasks.split(",") if t.strip()] if tasks else None
     if unsafe_exec:
         overrides = (*overrides, "eval.generation.unsafe_exec=true")
+    if first:
+        overrides = (*overrides, "eval.limit_mode=first")
     if hf_folder:
         from train.eval.hf import evaluate_hf
 

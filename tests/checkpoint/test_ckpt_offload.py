@@ -119,7 +119,8 @@ def test_offload_resume_from_s3_and_export_to_transformers(tmp_path, s3_bucket):
     r = CliRunner().invoke(ckpt, ["export", str(run / "ckpt" / "step_00000010"), str(out),
                                   "--tokenizer", str(tmp_path / "tokenizer.json")])
     assert r.exit_code == 0, r.output
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
+                                       "tokenizer.json"]
     ours = torch.load(tmp_path / "logits.pt")
     model = LlamaForCausalLM.from_pretrained(str(out)).eval()
     with torch.no_grad():

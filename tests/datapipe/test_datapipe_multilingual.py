@@ -107,7 +107,7 @@ def test_chinese_and_japanese_near_duplicates(tmp_path):
     plus boilerplate families that must stay apart, through the build's dedup stages."""
     sys.path.insert(0, str(REPO / "tools" / "bench"))
     try:
-        from bench_multilingual import quality, run_dedup
+        from neardup_runs import quality, run_dedup
     finally:
         sys.path.pop(0)
     nd = _neardup_module()

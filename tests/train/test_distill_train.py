@@ -1,7 +1,8 @@
 """`objective: distill` under real torchrun at TP2 with a teacher of another shape (the shared tiny_hf
 Hugging Face folder, imported at launch): with ce_weight 1 the student's losses are exactly plain
-pretraining's on the same data, and the divergence to the teacher is logged beside (kd); the teacher's
-top-k precomputed by `train teacher-cache` gives the same kd as the teacher run beside the student, and a
+pretraining's on the same data, and the divergence to the teacher is logged beside (kd); with ce_weight 0
+the divergence alone trains the student and falls; the teacher's top-k precomputed by `train teacher-cache`
+gives the same kd and losses as the teacher run beside the student, and a
 corrupt cache or a row it lacks is refused; a teacher with another vocabulary is refused with both sizes."""
 from __future__ import annotations
 
@@ -54,13 +55,24 @@ def test_distill_trains_at_tp2_its_ce_term_is_pretraining_and_another_vocabulary
     pre = _losses(tmp_path, _config(tmp_path, "pre", "pretrain", hf, 0.0))
     assert [r["loss"] for r in ce] == pytest.approx([r["loss"] for r in pre], rel=1e-5)
     assert ce[0]["loss"] == pytest.approx(ce[0]["ce"], rel=1e-6) and 0 < ce[0]["kd"] < ce[0]["ce"]
-    cached = _config(tmp_path, "cached", "distill", hf, 1.0, top_k=8, precomputed=True)
+    # ce_weight 0: the divergence alone trains the student: at the last step (same batch, same start) it is
+    # below an untrained student's (a detached kd term leaves it equal, a sign-flipped one raises it)
+    fast = {"steps": 4, "optim": {"lr": 2e-3, "min_lr": 2e-3, "warmup_steps": 0, "schedule": "constant",
+                                  "weight_decay": 0.0}}
+    kd = _losses(tmp_path, {**_config(tmp_path, "kd", "distill", hf, 0.0, top_k=8, temperature=1.0), **fast})
+    assert [r["loss"] for r in kd] == pytest.approx([r["kd"] for r in kd], rel=1e-6)
+    still = {**fast, "optim": {**fast["optim"], "lr": 1e-12, "min_lr": 1e-12}}
+    frozen = _losses(tmp_path, {**_config(tmp_path, "frozen", "distill", hf, 0.0, top_k=8, temperature=1.0), **still})
+    trained, still = [r["kd"] for r in kd], [r["kd"] for r in frozen]
+    assert trained[0] == still[0] and all(r["grad_norm"] > 0 for r in kd), (trained, still)
+    assert sum(trained[1:]) < 0.995 * sum(still[1:]), (trained, still)  # same batches: the trained one is closer
+    cached = {**_config(tmp_path, "cached", "distill", hf, 0.0, top_k=8, temperature=1.0, precomputed=True), **fast}
     _losses(tmp_path, cached, "teacher-cache")  # the teacher alone, then the run reads its top-k
     [folder] = (tmp_path / "cached" / "teacher").glob("*/cache.json")
     got = _losses(tmp_path, cached)
-    assert [r["kd"] for r in got] == [r["kd"] for r in ce] and [r["loss"] for r in got] == [r["loss"] for r in ce]
+    assert [r["kd"] for r in got] == [r["kd"] for r in kd] and [r["loss"] for r in got] == [r["loss"] for r in kd]
     cache = TeacherCache(str(folder.parent), "cpu")
-    assert len(cache.rows) == 2 * 4  # steps × global batch: every row the run read
+    assert len(cache.rows) == 4 * 4  # steps × global batch: every row the run read
     import torch
 
     with pytest.raises(TeacherCacheError, match="holds no teacher outputs for a row this run reads"):

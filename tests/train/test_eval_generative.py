@@ -118,3 +118,23 @@ def test_ifeval_scores_do_not_depend_on_the_callers_random_state(tiny_hf):
         _, details = task.score(texts)
         scored.append([(it["inst_level_strict_acc"], it["inst_level_loose_acc"]) for it in details["items"]])
     assert scored[0] == scored[1] == scored[2]
+
+
+def test_limit_first_takes_the_first_items_and_every_item_records_its_index_and_question(tiny_hf):
+    """`--limit N --first` is lm-eval's --limit (the task's first N docs); the default subsample is spread
+    over the task; either way each result item says which doc of the task's data it is (index, question)."""
+    from storage.evaltasks import load_task
+    from train.eval.generative import GenerativeTask, pick, read_all_docs
+    from train.generation.load import load
+
+    _, tok, template, _ = load(tiny_hf[0])
+    _, docs, _ = read_all_docs("gsm8k_cot")
+    for first, want in ((True, [0, 1, 2, 3, 4]), (False, pick("gsm8k_cot", len(docs), 5))):
+        task = GenerativeTask("gsm8k_cot", 5, tok, max_length=512, chat_template=template, max_new_tokens=4,
+                              first=first)
+        _, details = task.score(["The answer is 3."] * 5)
+        got = [(it["index"], it["question"]) for it in details["items"]]
+        assert got == [(i, docs[i]["question"]) for i in want], (first, got)
+    assert want != [0, 1, 2, 3, 4] and max(want) > len(docs) // 2  # the subsample reaches across the data
+    every = load_task("arc_easy").items
+    assert [it.item_id for it in load_task("arc_easy", 5, first=True).items] == [it.item_id for it in every[:5]]

@@ -29,7 +29,7 @@ def test_export_writes_a_complete_hf_folder(tiny_hf):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     folder, model, eos_id = tiny_hf[:3]
-    assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model.safetensors",
+    assert sorted(os.listdir(folder)) == ["README.md", "config.json", "generation_config.json", "model.safetensors",
                                           "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
     tok = AutoTokenizer.from_pretrained(folder)
     assert (tok.eos_token, tok.bos_token, tok.pad_token) == (EOS, EOS, EOS)

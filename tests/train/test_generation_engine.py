@@ -74,8 +74,6 @@ def test_stop_strings_and_stop_tokens(setup, backend, lookup):
     other = ref[4]
     k4 = next((k for k in range(1, len(other) + 1) if stop in tok.decode(other[:k])), len(other))
     assert got[1][0].token_ids == other[:k4]
-    if backend == "continuous":
-        return
     # a stop token is generated and kept as the last token
     tid = r[5]
     got = eng.generate([prompts[3]], SamplingParams(max_new_tokens=N_NEW, stop_token_ids=(tid,)))
@@ -102,6 +100,37 @@ def test_sampling_repeats_with_its_seed_and_returns_the_models_log_probs(setup):
             logits = model(x).logits[0, len(p) - 1:-1].float() / 0.8
         want = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
         assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["padded", "continuous"])
+def test_sampled_tokens_follow_the_temperature_and_top_p_distribution(setup, backend):
+    """4,000 first tokens sampled at temperature 0.7, top-p 0.8 against the model's own distribution there:
+    softmax(logits / 0.7), cut to the smallest set of most likely tokens whose mass reaches 0.8, renormalised
+    (a sampler ignoring the temperature or the top-p, or sampling the padding rows, fails the chi-square test or
+    draws a token outside the set)."""
+    from scipy.stats import chisquare
+
+    from train.generation.engine import Engine, SamplingParams
+
+    model, tok, prompts, _, eos = setup
+    prompt, n = prompts[20], 4000
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1, :len(tok)].double()
+    p = torch.softmax(logits / 0.7, -1)
+    order = torch.argsort(p, descending=True)
+    keep = order[:int((torch.cumsum(p[order], 0) < 0.8).sum()) + 1]
+    want = torch.zeros_like(p)
+    want[keep] = p[keep] / p[keep].sum()
+    assert 5 <= len(keep) <= len(tok) // 2  # a cut that matters, and a mass spread over several tokens
+    eng = Engine(model, tok, eos, backend=backend, max_batch_size=500)
+    got = eng.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.7, top_p=0.8, n=n, seed=3))[0]
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in got]), minlength=len(p)).double()
+    assert counts[want == 0].sum() == 0, "a token outside the top-p set was sampled"
+    big = want * n >= 5  # chi-square bins: every kept token expected 5+ times, the rest of the set pooled
+    obs = torch.cat([counts[big], counts[(want > 0) & ~big].sum().reshape(1)])
+    exp = torch.cat([want[big] * n, (want[(want > 0) & ~big] * n).sum().reshape(1)])
+    obs, exp = (obs, exp) if exp[-1] > 0 else (obs[:-1], exp[:-1])
+    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3, (obs.tolist(), exp.tolist())
 
 
 def test_rows_that_end_leave_the_batch_and_change_nothing(setup, monkeypatch):

@@ -47,8 +47,9 @@ def _trl_grpo_loss(logp, old_logp, ref_logp, entropies, adv, mask, *, loss_type,
 
 def _ours(logp, old_logp, ref_logp, entropies, adv, mask, *, loss_type, beta, eps_low, eps_high, entropy_coef,
           max_len, split=(2, 3, 3)):
-    """Our loss as the trainer computes it: token weights from the step's global counts, summed over
-    micro-batches (`split` rows each), minus the entropy bonus over the global token count."""
+    """The loss formulas (policy_loss, token_weights) combined over micro-batches of `split` rows, with old
+    log-probs that differ so that clipping acts (the trainer's own combination, on policy, at DP=2:
+    test_the_trainers_loss_at_dp2_equals_trl_on_the_whole_batch)."""
     old = logp.detach() if old_logp is None else old_logp
     tokens, seqs = int(mask.sum()), mask.shape[0]
     total, start = 0.0, 0
@@ -91,6 +92,109 @@ def test_grpo_loss_and_gradient_equal_trl(loss_type, beta, entropy_coef, off_pol
     if off_policy:  # clipping acted: some gradients are zeroed on both sides
         _, st = L.policy_loss(base, old, adv.unsqueeze(1), eps_low=0.2, eps_high=0.28)
         assert bool((st["clipped"] & mask.bool()).any())
+
+
+def _case(loss_type, beta, entropy_coef, B=8, T=7, V=11):
+    """A step's rows (rollout.F layout) and the policy's logits at every position, the same in every process."""
+    from train.objectives.rollout import F, FIELDS
+
+    g = torch.Generator().manual_seed(zlib.crc32(repr((loss_type, beta, entropy_coef)).encode()))
+    rows = torch.zeros(B, len(FIELDS), T, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.3).double()
+    mask[:, 0] = 1
+    rows[:, F["mask"]] = mask
+    rows[:, F["labels"]] = torch.randint(0, V, (B, T), generator=g).double()
+    rows[:, F["advantage"]] = torch.randn(B, 1, generator=g, dtype=torch.float64)
+    rows[:, F["ref_logp"]] = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logits = torch.randn(B, T, V, generator=g) * 2
+    return rows, logits
+
+
+CASES = [(t, beta, ent) for t in L.LOSS_TYPES for beta, ent in ((0.0, 0.0), (0.04, 0.02)) if t != "bnpo" or not ent]
+
+
+def _dp_worker(out: str) -> None:
+    """Rank r of 2 (DP=2, gloo): the trainer's own path on its half of the rows, micro-batches of 2 rows (bnpo:
+    one of 4): rollout.set_weights (global counts by all-reduce), RL.loss per micro-batch, the sum divided by
+    the step's global count of the counts RL.loss returns, as megatron divides per-token losses."""
+    import json
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from train.objectives import rollout
+    from train.objectives.rl import RL
+
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(1, 1)
+    r, res = dist.get_rank(), {}
+    for loss_type, beta, ent in CASES:
+        rows, logits = _case(loss_type, beta, ent)
+        half = rows.shape[0] // 2
+        rows, logits = rows[r * half:(r + 1) * half].clone(), logits[r * half:(r + 1) * half].clone()
+        logits.requires_grad_(True)
+        obj = object.__new__(RL)
+        obj.rl = types.SimpleNamespace(loss_type=loss_type, kl_coef=beta, entropy_coef=ent, kl="k3",
+                                       kl_bias_correction=True, eps_low=0.2, eps_high=0.28, temperature=1.0)
+        obj.vocab = logits.shape[-1]
+        per_micro = half if loss_type == "bnpo" else 2
+        obj.tokens = rollout.set_weights(rows, loss_type, per_micro, 10, "cpu")["tokens"]
+        total, n = 0.0, torch.zeros((), dtype=torch.float64)
+        for m in range(0, half, per_micro):
+            t, count, _ = obj.loss(logits[m:m + per_micro], rows[m:m + per_micro])
+            total, n = total + t, n + count
+        dist.all_reduce(n)  # megatron: the per-token loss's count over micro-batches and DP ranks
+        (total / n).backward()
+        res[f"{loss_type}/{beta}/{ent}/{r}"] = {"loss": float(total / n), "grad": logits.grad.tolist()}
+    got = [None, None]
+    dist.all_gather_object(got, res)
+    if r == 0:
+        with open(out, "w") as f:
+            json.dump({k: v for g in got for k, v in g.items()}, f)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_the_trainers_loss_at_dp2_equals_trl_on_the_whole_batch(tmp_path):
+    """What RL.loss and rollout.set_weights give on two DP ranks equals TRL's GRPOTrainer loss and gradient on
+    the whole step (bnpo: TRL's per-process token means averaged over the two processes, as DDP does): the
+    weights' global counts, the `tokens ×` scaling and the entropy bonus over the global count all matter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from train.objectives.rollout import F
+
+    out = tmp_path / "dp.json"
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        "--no-python", sys.executable, "-c",
+                        f"import test_rl_losses as t; t._dp_worker({str(out)!r})"], env=env, capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for loss_type, beta, ent in CASES:
+        rows, logits = _case(loss_type, beta, ent)
+        lg = logits.double().requires_grad_(True)
+        logp_all = torch.log_softmax(lg, -1)
+        logp = logp_all.gather(-1, rows[:, F["labels"]].long().unsqueeze(-1)).squeeze(-1)
+        entropies = -(logp_all.exp() * logp_all).sum(-1)
+        mask, adv, ref = rows[:, F["mask"]].long(), rows[:, F["advantage"], 0], rows[:, F["ref_logp"]]
+        kw = dict(loss_type=loss_type, beta=beta, eps_low=0.2, eps_high=0.28, entropy_coef=ent, max_len=10)
+        if loss_type == "bnpo":  # one micro-batch per process, DDP's mean of the two
+            h = rows.shape[0] // 2
+            want = sum(_trl_grpo_loss(logp[s], None, ref[s], entropies[s], adv[s], mask[s], **kw)
+                       for s in (slice(0, h), slice(h, None))) / 2
+        else:
+            want = _trl_grpo_loss(logp, None, ref, entropies, adv, mask, **kw)
+        want.backward()
+        got = [res[f"{loss_type}/{beta}/{ent}/{r}"] for r in (0, 1)]
+        assert got[0]["loss"] + got[1]["loss"] == pytest.approx(float(want), abs=1e-5), (loss_type, beta, ent)
+        grad = torch.tensor(got[0]["grad"] + got[1]["grad"], dtype=torch.float64)
+        assert torch.allclose(grad, lg.grad, atol=1e-6), (loss_type, beta, ent, (grad - lg.grad).abs().max())
 
 
 def test_reward_model_loss_equals_trl():

@@ -1,8 +1,8 @@
 """Online RL (objective grpo, rloo, ppo) under real torchrun on a `format: prompts` dataset of arithmetic
 questions, starting from the tiny Llama of tests/train/conftest.py imported as a checkpoint, with a reward
 function of tests/train/rl_rewards.py named in the config: a PPO run (value head, GAE, KL to the reference,
-entropy bonus) killed with kill -9 resumes bit-identically (rewards, losses, gradient norms, final weights and
-critic); config errors are one line naming the key."""
+entropy bonus) killed with kill -9 resumes (from its checkpoint, not from the start) bit-identically (rewards,
+losses, gradient norms, final weights and critic); config errors are one line naming the key."""
 from __future__ import annotations
 
 import json
@@ -96,6 +96,10 @@ def test_ppo_kill_9_resumes_bit_identically(setup):
     _launch(setup, conf, kill_when=lambda: (ckpts / "latest").exists() and
             (ckpts / "latest").read_text().strip() == "step_00000004")
     _launch(setup, conf)
+    # the rerun resumed from step 4 (a rerun that ignored its checkpoints would give the same trace)
+    lines = (setup["tmp"] / "killed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in lines if '"event": "resume"' in ln] == [4]
+    assert [r["step"] for r in metric_records(setup["tmp"] / "killed")].count(1) == 1
     assert _trace(setup["tmp"] / "killed") == full
     a, _ = load_model_tensors(str(sorted((setup["tmp"] / "full" / "checkpoints").glob("step_*"))[-1]))
     last = sorted(ckpts.glob("step_*"))[-1]

@@ -260,7 +260,7 @@ def write_section(rows: list[dict], args) -> None:
             p = r["plan"]
             lines.append(f"| {r['size_mb']} MB | {p['sample_mb']:.0f} MB | {p['wall_s']:.0f} | {r['wall_s']:.0f} | "
                          f"{p['scratch'] / max(1, r['peak_scratch']):.2f} | {p['out_bytes'] / r['out_bytes']:.2f} |")
-    with open(REPO / "docs" / "benchmarks.md", "a") as f:
+    with open(REPO / "docs" / "benchmarks-history.md", "a") as f:
         f.write("\n".join(lines) + "\n")
 
 

@@ -19,7 +19,7 @@ updated by real AdamW steps on random gradients between saves. Per run (interlea
   path seq write      storage.bench LocalEngine sequential write (8 MiB, 1 thread, fsync), buffered and
                       direct (O_DIRECT: the I/O method our full-checkpoint writer uses), one point of
                       each per run, right after that run's saves (paired: this machine drifts)
-Appends a section to docs/benchmarks.md (unless --no-append).
+Appends a section to docs/benchmarks-history.md (unless --no-append).
 
     python tools/bench/bench_ckpt.py --dir /var/tmp --size-mb 64 --runs 5
 """
@@ -284,7 +284,7 @@ def main() -> int:
             f"{state_bytes:,} tensor bytes, one process (world 1, gloo). Medians of {args.runs} interleaved runs; "
             f"path sequential write = one storage.bench seq_write point per run (buffered and direct, 8 MiB, "
             f"1 thread, fsync, a file of the state's size) on the same folder, right after that run's saves.\n\n{table}\n")
-        path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "benchmarks.md")
+        path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "benchmarks-history.md")
         with open(path, "a") as f:
             f.write(section)
         print(f"appended to {os.path.normpath(path)}")

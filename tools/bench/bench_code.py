@@ -15,7 +15,7 @@ secrets redaction, near-dedup of code, and what the demo's code source keeps.
    on the copies, originals and licence pairs kept; the same files as a prose (`kind: web`) source beside it.
 5. demo: `datapipe build` of the embedded demo: the share of the standard library's files the code source
    keeps after the filters and after dedup.
-Appends a section to docs/benchmarks.md unless --no-write.
+Appends a section to docs/benchmarks-history.md unless --no-write.
 
     python tools/bench/bench_code.py [--runs 5] [--per-language 150] [--seeds 20] [--no-write]
 """
@@ -265,7 +265,7 @@ def write_section(args, files, rules, speed, secrets, near, demo) -> None:
               "Demo code source drops: " + ", ".join(f"{k} {v}" for k, v in demo["drops"].items())
               + f"; exact duplicates {demo['exact']}, near duplicates {demo['near']}; demo build {demo['build_s']:.0f} s. "
               "As prose they were dropped by " + ", ".join(f"{k} {v}" for k, v in demo["as_prose_drops"].items()) + ".", ""]
-    path = REPO / "docs" / "benchmarks.md"
+    path = REPO / "docs" / "benchmarks-history.md"
     with open(path, "a", encoding="utf-8") as fh:
         fh.write("\n".join(lines))
     print(f"appended to {path}")

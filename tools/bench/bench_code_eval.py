@@ -19,7 +19,7 @@ solutions, parity on a trained model, and speed.
   run inside bubblewrap (`lm_eval_sandboxed`), timed after a warm-up call; alternating, median of --rounds.
   lm-eval's call without any execution is reported too, a floor under its time.
 
-    python tools/bench/bench_code_eval.py [--checkpoint demo-out/sft] [--append docs/benchmarks.md]
+    python tools/bench/bench_code_eval.py [--checkpoint demo-out/sft] [--append docs/benchmarks-history.md]
 """
 from __future__ import annotations
 

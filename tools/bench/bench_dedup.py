@@ -11,7 +11,7 @@
 
 Speeds are medians of --runs alternating runs on a fixed subset, our tokenizer's memo cleared before each;
 the agreement uses all documents unless --limit.
-Appends a section to docs/benchmarks.md unless --no-write.
+Appends a section to docs/benchmarks-history.md unless --no-write.
 
     python tools/bench/bench_dedup.py [--runs 3] [--limit N] [--no-write] [--only filters|signatures|tokenize]
 """
@@ -297,7 +297,7 @@ def write_section(f: dict, s: dict, k: dict, args) -> None:
         lines.append("Most frequent filter disagreements: "
                      + "; ".join(f"{k} ({v})" for k, v in f["top_disagreements"]))
         lines.append("")
-    path = REPO / "docs" / "benchmarks.md"
+    path = REPO / "docs" / "benchmarks-history.md"
     with open(path, "a", encoding="utf-8") as fh:
         fh.write("\n".join(lines))
     print(f"appended to {path}")

@@ -160,9 +160,9 @@ def main() -> None:
             f"**Ours vs TRL: {t / d:.2f}x** TRL's pairs/s (TRL also pads each batch to its longest sequence).\n")
     print(text)
     if not args.no_write:
-        with open(REPO / "docs" / "benchmarks.md", "a") as f:
+        with open(REPO / "docs" / "benchmarks-history.md", "a") as f:
             f.write(text)
-        print("appended to docs/benchmarks.md")
+        print("appended to docs/benchmarks-history.md")
 
 
 if __name__ == "__main__":

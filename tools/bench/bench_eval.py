@@ -220,9 +220,9 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        with open(REPO / "docs" / "benchmarks.md", "a") as f:
+        with open(REPO / "docs" / "benchmarks-history.md", "a") as f:
             f.write("\n" + text)
-        print("appended to docs/benchmarks.md")
+        print("appended to docs/benchmarks-history.md")
     return 0
 
 

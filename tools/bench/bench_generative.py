@@ -20,7 +20,7 @@ The model is the demo's SFT checkpoint (`make demo` → demo-out/sft), exported 
   prompts: acceptance rate and speed-up over plain greedy (median per prompt), output identity checked.
 
     python tools/bench/bench_generative.py [--checkpoint demo-out/sft] [--items 100] [--rounds 3]
-        [--append docs/benchmarks.md]
+        [--append docs/benchmarks-history.md]
 """
 from __future__ import annotations
 

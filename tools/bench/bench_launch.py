@@ -10,7 +10,7 @@ against the floor of any megatron-core launch, in one run.
   megatron-core launch on this machine pays before and after its work.
 Sides take turns within each round, their order rotated per round; medians over --rounds.
 
-    python tools/bench/bench_launch.py [--before REV] [--rounds 5] [--steps 2] [--append docs/benchmarks.md]
+    python tools/bench/bench_launch.py [--before REV] [--rounds 5] [--steps 2] [--append docs/benchmarks-history.md]
 """
 from __future__ import annotations
 

@@ -321,7 +321,7 @@ def write_section(r: dict, args) -> None:
               "Verify stage: " + ", ".join(f"{k} {v:,}" for k, v in r["stats"].items())
               + f". Scratch per document: ours {r['scratch_bytes_per_doc']:.0f} B (signatures + 256 B sketch), "
               f"datatrove {r['datatrove_scratch_bytes_per_doc']:.0f} B.", ""]
-    path = REPO / "docs" / "benchmarks.md"
+    path = REPO / "docs" / "benchmarks-history.md"
     with open(path, "a", encoding="utf-8") as fh:
         fh.write("\n".join(lines))
     print(f"appended to {path}")

@@ -7,7 +7,7 @@ the same interpreter; runs alternate ABBA per round; the figure is the median st
 steps after `--skip` warm-up steps, over all rounds.
 
     python tools/bench/bench_objectives.py --before REV [--after REV] [--demo-out demo-out] [--steps 30]
-                                           [--skip 5] [--rounds 2] [--only sft] [--append docs/benchmarks.md]
+                                           [--skip 5] [--rounds 2] [--only sft] [--append docs/benchmarks-history.md]
 
 `--after REV` times another revision (also from a worktree) instead of this tree: e.g. a refactor's own
 commit against its parent, without what was merged since.

@@ -11,7 +11,7 @@
   overall and per source.
 
     python tools/bench/bench_rl.py [--demo-out demo-out] [--steps 12] [--skip 2] [--rounds 2]
-                                   [--rm-steps 60] [--append docs/benchmarks.md]
+                                   [--rm-steps 60] [--append docs/benchmarks-history.md]
 """
 from __future__ import annotations
 

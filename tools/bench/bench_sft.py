@@ -175,9 +175,9 @@ def main() -> None:
             f"efficiency {eff:.1%} (goal >= 95 %).\n")
     print(text)
     if not args.no_write:
-        with open(REPO / "docs" / "benchmarks.md", "a") as f:
+        with open(REPO / "docs" / "benchmarks-history.md", "a") as f:
             f.write(text)
-        print("appended to docs/benchmarks.md")
+        print("appended to docs/benchmarks-history.md")
 
 
 if __name__ == "__main__":

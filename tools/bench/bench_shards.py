@@ -5,7 +5,7 @@ corpora are absent, which the report says). Files sit in the page cache, so this
 cost of each read path, which is what the training process pays per token. Our indexed read builds a new
 ShardReader each run, so reading and parsing the .idx is timed, as webdataset parses the tar in each run.
 
-    python tools/bench/bench_shards.py [--runs 5] [--append docs/benchmarks.md]
+    python tools/bench/bench_shards.py [--runs 5] [--append docs/benchmarks-history.md]
 """
 from __future__ import annotations
 

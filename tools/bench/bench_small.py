@@ -1,6 +1,6 @@
 """Distillation vs plain cross entropy, and the cost of quantization, on the demo's model (issue 31): runs
 `tools/small_demo.py` with several seeds on `make demo`'s outputs and appends the figures to
-docs/benchmarks.md.
+docs/benchmarks-history.md.
 
     python tools/bench/bench_small.py [--demo demo-out] [--steps 100] [--seeds 3] [--no-write]
 """
@@ -41,9 +41,9 @@ def main() -> int:
         "```", small_demo.summary(res), "", res["table"].rstrip(), "```", ""])
     print(text)
     if not args.no_write:
-        with open(REPO / "docs" / "benchmarks.md", "a") as f:
+        with open(REPO / "docs" / "benchmarks-history.md", "a") as f:
             f.write("\n" + text)
-        print("appended to docs/benchmarks.md")
+        print("appended to docs/benchmarks-history.md")
     return 0
 
 

@@ -5,7 +5,7 @@ Runs are interleaved (ours, fio, fio, ours, ...) so background load hits both; m
 median of the per-pair ratios (each pair ran back to back, so slow drift in the machine's load cancels).
 The 1-minute load average before and after is reported: on a shared machine it explains most spread.
 
-    python tools/bench/bench_storage_vs_fio.py [--dir /var/tmp] [--runs 5] [--append docs/benchmarks.md]
+    python tools/bench/bench_storage_vs_fio.py [--dir /var/tmp] [--runs 5] [--append docs/benchmarks-history.md]
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """GPU check of issue 5 in one script: the 1.7b preset, bf16, one GPU — measured tokens/s, MFU and peak
-memory vs `train estimate`, appended to docs/benchmarks.md.
+memory vs `train estimate`, appended to docs/benchmarks-history.md.
 
     python tools/bench/bench_train_gpu.py [--preset 1.7b] [--steps 30] [--mbs 4] [--gbs 32] [--seq-len 4096]
 
@@ -28,7 +28,7 @@ def main() -> int:
     ap.add_argument("--gbs", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--run-dir", default="/tmp/bench_train_gpu")
-    ap.add_argument("--append", default=str(REPO / "docs" / "benchmarks.md"))
+    ap.add_argument("--append", default=str(REPO / "docs" / "benchmarks-history.md"))
     args = ap.parse_args()
     import torch
 

@@ -5,7 +5,7 @@ bare loop is what a megatron-core example does: DDP, get_megatron_optimizer, get
 optimizer.step(). Ours adds everything `train launch` runs per step (data loader, LR schedule, global
 loss all-reduce, grad-norm-before-step, skip/spike checks, metrics). Rounds alternate ABBA; medians.
 
-    python tools/bench/bench_trainer.py [--steps 1] [--rounds 20] [--append docs/benchmarks.md]
+    python tools/bench/bench_trainer.py [--steps 1] [--rounds 20] [--append docs/benchmarks-history.md]
 
 Goal (issue 5): overhead <= 5 %.
 """

@@ -120,7 +120,7 @@ def build(ckpt_dir: str, license: str | None = None, rec: dict | None = None) ->
     eval/<checkpoint>.json when present)."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from train.eval.results import format_table
+    from train.monitor.eval_table import format_table
 
     m = _manifest(ckpt_dir)
     meta = m.get("meta") or {}

@@ -57,7 +57,10 @@ class EvalConfig:
     # e.g. [hellaswag, arc_easy, mmlu, codex_humaneval:gold_bpb_0shot, mine=path.jsonl]; generative: gsm8k_cot,
     # gsm8k_cot_chat, ifeval, humaneval, mbpp, minerva_math_500 (NAME=path.jsonl: own docs)
     tasks: list[str] = field(default_factory=list)
-    limit: int | None = 200          # items per task: a deterministic subsample (null: every item)
+    limit: int | None = 200          # items per task (null: every item), chosen as limit_mode says
+    # sample: a deterministic subsample spread over the task (the same items every run); first: the task's
+    # first `limit` items, as lm-eval's --limit. Results record each item's index in the task's data
+    limit_mode: Literal["sample", "first"] = "sample"
     batch_tokens: int = 8192         # tokens per scoring batch (rows × longest row)
     max_length: int | None = None    # longest model input; null: model.max_position_embeddings (as lm-eval)
     shared_context: bool = True      # an item's candidates share one encoding of their context (local spec)
@@ -108,7 +111,8 @@ class EvalConfig:
             for spec in self.generative_tasks():
                 if "=" in spec:
                     read_docs(spec)
-            return [load_mc_task(t, self.limit) for t in self.tasks if not is_generative(t)]
+            return [load_mc_task(t, self.limit, self.limit_mode == "first") for t in self.tasks
+                    if not is_generative(t)]
         except TaskError as e:
             raise ConfigError(f"key 'eval.tasks': {e}") from None
 
@@ -119,10 +123,10 @@ def check_mc_task(spec: str) -> None:
         check_task(spec)
 
 
-def load_mc_task(spec: str, limit: int | None) -> Task:
+def load_mc_task(spec: str, limit: int | None, first: bool = False) -> Task:
     """storage.evaltasks.load_task; an unknown name's error also lists the generative tasks."""
     with _listing_generative():
-        return load_task(spec, limit)
+        return load_task(spec, limit, first)
 
 
 @contextlib.contextmanager

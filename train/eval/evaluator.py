@@ -50,7 +50,8 @@ class Generative:
             self.tasks = [GenerativeTask(s, limit, self.tok, max_length=m.max_position_embeddings,
                                          chat_template=template, chat=g.chat_template, max_new_tokens=g.max_new_tokens,
                                          stop=g.stop, samples=g.samples, temperature=g.temperature,
-                                         timeout_s=g.timeout_s, unsafe_exec=g.unsafe_exec) for s in specs]
+                                         timeout_s=g.timeout_s, unsafe_exec=g.unsafe_exec,
+                                         first=cfg.eval.limit_mode == "first") for s in specs]
 
     def run(self, chunks: list) -> tuple[dict[str, float], dict]:
         import torch.distributed as dist

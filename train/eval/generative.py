@@ -57,9 +57,30 @@ def is_generative(spec: str) -> bool:
     return spec.strip().partition("=")[0] in TASKS
 
 
-def read_docs(spec: str, limit: int | None = None) -> tuple[str, list[dict], str]:
-    """(task name, docs, where they came from) of a generative task spec; with `limit`, a deterministic
-    subsample in the docs' own order. A bad file gives one TaskError naming the file, line and field."""
+# the field holding a doc's question, stored beside each result item
+QUESTION = {"gsm8k": "question", "ifeval": "prompt", "codex_humaneval": "prompt", "codex_mbpp": "text",
+            "minerva_math_500": "problem"}
+
+
+def pick(name: str, n: int, limit: int | None, first: bool = False) -> list[int]:
+    """Indices (in the data's order) of the docs `limit` keeps out of `n`: the first ones (lm-eval's --limit)
+    or a deterministic subsample spread over the data, by hash of the task name and the index."""
+    if limit is None or limit >= n:
+        return list(range(n))
+    if first:
+        return list(range(limit))
+    return sorted(sorted(range(n), key=lambda i: hashlib.sha256(f"{name}\0{i}".encode()).digest())[:limit])
+
+
+def read_docs(spec: str, limit: int | None = None, first: bool = False) -> tuple[str, list[dict], str]:
+    """(task name, docs, where they came from) of a generative task spec, the docs `pick` keeps."""
+    name, docs, source = read_all_docs(spec)
+    return name, [docs[i] for i in pick(name, len(docs), limit, first)], source
+
+
+def read_all_docs(spec: str) -> tuple[str, list[dict], str]:
+    """(task name, every doc, where they came from) of a generative task spec. A bad file gives one
+    TaskError naming the file, line and field."""
     name, _, path = spec.strip().partition("=")
     kind, fields = TASKS[name][1], TASKS[name][3]
     if path:
@@ -78,9 +99,6 @@ def read_docs(spec: str, limit: int | None = None) -> tuple[str, list[dict], str
         docs = _read_jsonl(source, fields)
     if not docs:
         raise TaskError(f"task {name!r} ({source}): no docs")
-    if limit is not None and limit < len(docs):
-        keep = sorted(range(len(docs)), key=lambda i: hashlib.sha256(f"{name}\0{i}".encode()).digest())[:limit]
-        docs = [docs[i] for i in sorted(keep)]
     return name, docs, source
 
 
@@ -138,14 +156,17 @@ class GenerativeTask:
 
     def __init__(self, spec: str, limit: int | None, tokenizer, *, max_length: int, chat_template: str | None,
                  chat: bool | None = None, max_new_tokens: int | None = None, stop: list[str] | None = None,
-                 samples: int = 1, temperature: float = 0.8, timeout_s: float = 3.0, unsafe_exec: bool = False):
-        """`samples` completions per prompt for the code tasks' pass@k (greedy when 1, else at `temperature`);
-        their programs run in the sandbox, `timeout_s` of wall time each (refused without bubblewrap unless
-        `unsafe_exec`)."""
+                 samples: int = 1, temperature: float = 0.8, timeout_s: float = 3.0, unsafe_exec: bool = False,
+                 first: bool = False):
+        """`limit` docs as `pick` chooses them (`first`: the first ones); `samples` completions per prompt for
+        the code tasks' pass@k (greedy when 1, else at `temperature`); their programs run in the sandbox,
+        `timeout_s` of wall time each (refused without bubblewrap unless `unsafe_exec`)."""
         from storage.chat import BUILTIN_TEMPLATES, render
         from train.eval.codetasks import CODE_TASKS
 
-        self.name, docs, self.source = read_docs(spec, limit)
+        self.name, every, self.source = read_all_docs(spec)
+        self.index = pick(self.name, len(every), limit, first)  # result item i is doc index[i] of the task's data
+        docs = [every[i] for i in self.index]
         self.tokenizer = tokenizer
         self.samples = samples if self.name in CODE_TASKS else 1
         self.temperature = temperature if self.samples > 1 else 0.0
@@ -216,6 +237,7 @@ class GenerativeTask:
             from train.eval.codetasks import score_code
 
             metrics, items = score_code(self, [t if isinstance(t, list) else [t] for t in texts], self.sandbox)
+            self._locate(items)
             flat = {f"eval/{self.name}/{k}": v for k, v in metrics.items()}
             return flat, {"metrics": {**metrics, "items": len(items)}, "source": self.source, "chat": self.chat,
                           "max_new_tokens": self.max_new_tokens, "until": self.until, "items": items}
@@ -237,11 +259,21 @@ class GenerativeTask:
                         per_metric.setdefault(m + suffix, []).append(v)
                         rec[m + suffix] = v
                 items.append(rec)
+        self._locate(items)
         agg = self.task.aggregation()
         metrics = {k: float(agg[k.split(",")[0]](v)) for k, v in per_metric.items()}
         flat = {f"eval/{self.name}/{k.replace(',', '/')}": v for k, v in metrics.items()}
         return flat, {"metrics": {**metrics, "items": len(items)}, "source": self.source, "chat": self.chat,
                       "max_new_tokens": self.max_new_tokens, "until": self.until, "items": items}
+
+
+    def _locate(self, items: list[dict]) -> None:
+        """Each result item's index in the task's data (`doc_id` counts the items evaluated) and question."""
+        field = QUESTION[TASKS[self.name][1]]
+        by_id = {inst.doc_id: inst.doc for inst in self.instances}
+        for it in items:
+            it["index"] = self.index[it["doc_id"]]
+            it["question"] = by_id[it["doc_id"]].get(field)
 
 
 @functools.lru_cache(maxsize=512)

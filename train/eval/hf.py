@@ -129,7 +129,7 @@ def score_hf(folder: str, tasks: list[Task], batch_tokens: int = 16384) -> dict[
     return out
 
 
-def generate_hf(folder: str, specs: list[str], limit: int | None, gen) -> dict[str, dict]:
+def generate_hf(folder: str, specs: list[str], limit: int | None, gen, first: bool = False) -> dict[str, dict]:
     """Generative tasks (train.eval.generative) on a HF folder: per task its details (metrics, items with
     every generation). `gen`: an eval.generation section (GenerationEvalConfig)."""
     from train.eval.generative import GenerativeTask
@@ -144,7 +144,7 @@ def generate_hf(folder: str, specs: list[str], limit: int | None, gen) -> dict[s
         task = GenerativeTask(spec, limit, tok, max_length=model.config.max_position_embeddings, chat_template=template,
                               chat=gen.chat_template, max_new_tokens=gen.max_new_tokens, stop=gen.stop,
                               samples=gen.samples, temperature=gen.temperature, timeout_s=gen.timeout_s,
-                              unsafe_exec=gen.unsafe_exec)
+                              unsafe_exec=gen.unsafe_exec, first=first)
         _, details = task.run(engine)
         out[task.name] = {"generative": True, **details}
     return out
@@ -211,7 +211,8 @@ def evaluate_hf(spec: str, config_path: str | None, overrides: list[str], task_l
     cfg = cfgmod.load(TrainConfig, config_path, overrides)
     ecfg = cfg.eval
     specs = task_list or ecfg.tasks or list(EARLY_SIGNAL)
-    loaded = [load_mc_task(t, limit or ecfg.limit or 200) for t in specs if not is_generative(t)]
+    first = ecfg.limit_mode == "first"
+    loaded = [load_mc_task(t, limit or ecfg.limit or 200, first) for t in specs if not is_generative(t)]
     gen_specs = [t for t in specs if is_generative(t)]
     ecfg.tasks = gen_specs
     ecfg.check_tasks()  # task files and the code tasks' sandbox checked before the model is loaded
@@ -224,7 +225,7 @@ def evaluate_hf(spec: str, config_path: str | None, overrides: list[str], task_l
         metrics |= {f"eval/{name}/{k}": v for k, v in r["metrics"].items()
                     if k in ("acc", "acc_norm", "acc_token", "bpb")}
     glimit = limit if limit is not None else (ecfg.generation.limit or ecfg.limit)
-    res |= generate_hf(folder, gen_specs, glimit, ecfg.generation) if gen_specs else {}
+    res |= generate_hf(folder, gen_specs, glimit, ecfg.generation, first) if gen_specs else {}
     metrics["size_bytes"] = folder_bytes(folder)
     if ecfg.generation.speed_prompts:
         from train.eval.speed import generation_speed

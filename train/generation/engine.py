@@ -175,8 +175,9 @@ class Engine:
         kw = dict(max_new_tokens=params.max_new_tokens, eos_token_id=sorted(
             set(self.eos_ids) | set(params.stop_token_ids)) or None, pad_token_id=self._pad_id())
         if params.temperature > 0:
-            kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                      top_k=params.top_k or None)
+            # top_k 0 turns transformers' top-k off: None would leave its default (50) in place, sampling from
+            # the 50 likeliest tokens whatever top_p says
+            kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         else:
             kw.update(do_sample=False)
         return GenerationConfig(**{**kw, **extra})
