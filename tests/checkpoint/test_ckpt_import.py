@@ -209,7 +209,7 @@ def test_generate_is_greedy_deterministic_and_equals_transformers(imported, tmp_
     torch.manual_seed(3 * 1_000_003)
     with torch.no_grad():
         want = ref.generate(x, attention_mask=torch.ones_like(x), generation_config=GenerationConfig(
-            max_new_tokens=8, do_sample=True, temperature=0.7, top_p=0.9, eos_token_id=sampled[0].stop_ids,
+            max_new_tokens=8, do_sample=True, temperature=0.7, top_p=0.9, top_k=0, eos_token_id=sampled[0].stop_ids,
             pad_token_id=sampled[0].stop_ids[0]))
     assert want[0, x.shape[1]:].tolist() == sampled[0].new_ids
     r = CliRunner().invoke(main, ["generate", ck, "--chat", "hello there", "--system", "be brief",

@@ -179,8 +179,9 @@ def test_a_hanging_tracker_never_holds_the_caller(tmp_path):
 def test_kill_9_and_resume_continue_the_same_tracker_runs(tmp_path):
     run_dir, wb = tmp_path / "run", tmp_path / "wb"
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    # enough steps for MLflow to start beside the training (its import and database set-up: seconds)
-    cfg = {"run_dir": str(run_dir), "steps": 60, "seed": 1234, "model": {"preset": "tiny"},
+    # far more steps than the test runs: the kill waits for both trackers to have started (MLflow's import and
+    # database set-up take seconds beside the training), and the relaunch stops cleanly (stop_at) soon after
+    cfg = {"run_dir": str(run_dir), "steps": 1000, "seed": 1234, "model": {"preset": "tiny"},
            "parallel": {"micro_batch_size": 2, "global_batch_size": 2},
            "data": {"seq_len": 32, "seed": 7}, "debug": {"synthetic_data": True},
            "monitor": {"log_every": 1, "tensorboard": False,
@@ -202,11 +203,13 @@ def test_kill_9_and_resume_continue_the_same_tracker_runs(tmp_path):
     killed = run_killable(cmd, log, kill_when=started)
     assert killed == "killed", killed
     first = json.loads((run_dir / "trackers.json").read_text())
-    assert run_killable(cmd, log) == 0, log.read_text()[-4000:]
+    stop = metric_records(run_dir)[-1]["step"] + 5
+    assert run_killable(cmd + ["--set", f"stop_at={stop}"], log) == 0, log.read_text()[-4000:]
     text = log.read_text()
     assert "resumed at step" in text and "logging is off" not in text, text[-3000:]
+    assert metric_records(run_dir)[-1]["step"] == stop
     assert json.loads((run_dir / "trackers.json").read_text()) == first
     ids, config, client, run = assert_trackers_hold(run_dir, wb, uri)
     assert ids == {first["wandb"]["id"]} and len(glob.glob(f"{wb}/wandb/offline-run-*")) == 2
     assert run.info.run_id == first["mlflow"]["run_id"] and run.info.status == "FINISHED"
-    assert config["model"]["preset"] == "tiny" and config["steps"] == 60
+    assert config["model"]["preset"] == "tiny" and config["steps"] == 1000 and config["stop_at"] == stop

@@ -53,8 +53,9 @@ def assisted(target: Loaded, draft: Loaded, prompt: list[int], params: SamplingP
     check_pair(target, draft)
     stop = sorted(set(target.eos_ids) | set(params.stop_token_ids))
     kw = dict(max_new_tokens=params.max_new_tokens, eos_token_id=stop or None, pad_token_id=stop[0] if stop else 0)
-    kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p) if params.temperature > 0 \
-        else kw.update(do_sample=False)
+    # top_k 0: off (None would leave transformers' default top-k 50 in place)
+    kw.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k) \
+        if params.temperature > 0 else kw.update(do_sample=False)
     n = len(target.tokenizer)
     if target.model.config.vocab_size > n:
         kw["suppress_tokens"] = list(range(n, target.model.config.vocab_size))
