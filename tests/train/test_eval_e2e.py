@@ -202,7 +202,7 @@ def test_table_and_plot(run, evaluated):
     assert got.pop(("validation", "bpb")) == res["metrics"]["val/all/bpb"]
     block = card.text.split("```")[1].strip().splitlines()
     assert block[0].split() == lines[0].split() and block[1].split() == rows[1]
-    assert "| 0 | pretrain | random init | 40 | 128 | 0.003 (0.0003) |" in card.text
+    assert f"| 0 | pretrain | random init | 40 | {res['consumed_tokens']:,} | 128 | 0.003 (0.0003) |" in card.text
 
 
 def test_bad_input_messages(run, tmp_path):

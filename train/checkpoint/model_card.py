@@ -5,8 +5,7 @@ its metadata validates): library_name, pipeline_tag, license, base_model (when t
 a `train ckpt import` of a Hub model), datasets and languages (from the manifests of the datasets the
 stages trained on), tags, and the checkpoint's `train eval` results in model-index form. The body holds the
 same evaluation table that `train eval --table` prints for the checkpoint and the training recipe: every
-stage of meta.stages (objective, steps, sequence length, learning rate, dataset, mix) with the tokens the
-checkpoint has seen.
+stage of meta.stages (objective, start, steps, tokens, sequence length, learning rate, dataset, mix).
 """
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ def dataset_facts(stages: list[dict]) -> tuple[list[str], list[str], list[dict]]
     names, langs, rows = [], set(), []
     for s in stages:
         ds = s.get("dataset")
-        if not ds or ds == "synthetic":
+        if not ds or ds == "synthetic" or any(r["dataset"] == ds for r in rows):
             continue
         try:
             man = read_manifest(ds)
@@ -99,19 +98,45 @@ def find_eval(ckpt_dir: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _recipe(stages: list[dict]) -> list[str]:
-    lines = ["| stage | objective | started from | steps | seq len | lr (min) | schedule | dataset | mix |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for s in stages:
+def tokens_at(run_dir: Path, step: int) -> int | None:
+    """The tokens a run had consumed at `step` (its metrics.jsonl; None when not logged there)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    found = None
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # a killed run's cut last line
+            continue
+        if "loss" in r and r.get("step") == step:
+            found = r.get("consumed_tokens")
+    return found
+
+
+def stage_tokens(ckpt_dir: str, stages: list[dict], step: int | None) -> list[int | None]:
+    """Tokens each stage trained on: where the next stage started (its init checkpoint's step in that run's
+    metrics), the last stage up to this checkpoint."""
+    ends = [(Path(s["init"]).resolve().parent.parent, s.get("init_step")) for s in stages[1:] if s.get("init")]
+    ends = ends if len(ends) == len(stages) - 1 else [(None, None)] * (len(stages) - 1)
+    ends.append((Path(ckpt_dir).resolve().parent.parent, step))
+    return [tokens_at(run, st) if run is not None and st is not None else None for run, st in ends]
+
+
+def _recipe(stages: list[dict], tokens: list[int | None]) -> list[str]:
+    lines = ["| stage | objective | started from | steps | tokens | seq len | lr (min) | schedule | dataset | mix |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for s, tok in zip(stages, tokens, strict=True):
         if s.get("recorded") is False:
-            lines.append(f"| {s['stage']} | ({s.get('origin')}) | | | {s.get('seq_len') or ''} | | | | |")
+            lines.append(f"| {s['stage']} | ({s.get('origin')}) | | | | {s.get('seq_len') or ''} | | | | |")
             continue
         lr = f"{s.get('lr')} ({s.get('min_lr')})" if s.get("lr") is not None else ""
         mix = ", ".join(f"{k} {v}" for k, v in (s.get("mix") or {}).items())
         start = f"{os.path.basename(os.path.dirname(os.path.dirname(s['init'])))}/{os.path.basename(s['init'])}" \
             if s.get("init") else "random init"
         lines.append(f"| {s['stage']} | {s.get('objective', '')} | {start} | {s.get('steps', '')} | "
-                     f"{s.get('seq_len', '')} | {lr} | {s.get('schedule', '')} | {s.get('dataset') or ''} | {mix} |")
+                     f"{'' if tok is None else f'{tok:,}'} | {s.get('seq_len', '')} | {lr} | {s.get('schedule', '')} | "
+                     f"{s.get('dataset') or ''} | {mix} |")
     return lines
 
 
@@ -145,9 +170,8 @@ def build(ckpt_dir: str, license: str | None = None, rec: dict | None = None) ->
         body += [f"Started from [{base}](https://huggingface.co/{base}).", ""]
     if not license:
         body += ["License: not set at export (`train ckpt export --license ID`); the data's licenses apply.", ""]
-    body += ["## Training recipe", "", *_recipe(stages), ""]
-    if rec is not None and rec.get("consumed_tokens") is not None:
-        body += [f"Tokens seen by the last stage at this checkpoint: {rec['consumed_tokens']:,}.", ""]
+    body += ["## Training recipe", "", "Tokens: what each stage trained on (the last one up to this checkpoint), "
+             "from its run's metrics.", "", *_recipe(stages, stage_tokens(ckpt_dir, stages, m.get("step"))), ""]
     if ds_rows:
         body += ["## Data", "", "| dataset | sources |", "|---|---|",
                  *[f"| {r['dataset']} | {r['sources']} |" for r in ds_rows], ""]
