@@ -117,6 +117,8 @@ def tokens_at(run_dir: Path, step: int) -> int | None:
 def stage_tokens(ckpt_dir: str, stages: list[dict], step: int | None) -> list[int | None]:
     """Tokens each stage trained on: where the next stage started (its init checkpoint's step in that run's
     metrics), the last stage up to this checkpoint."""
+    if not stages:
+        return []
     ends = [(Path(s["init"]).resolve().parent.parent, s.get("init_step")) for s in stages[1:] if s.get("init")]
     ends = ends if len(ends) == len(stages) - 1 else [(None, None)] * (len(stages) - 1)
     ends.append((Path(ckpt_dir).resolve().parent.parent, step))
