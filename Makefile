@@ -5,10 +5,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TORCH_PIP_ARGS ?=
-# Test files run three at a time (pytest-xdist, a file's tests on one worker): alone, the suite kept the two
-# cores busy only about half the time (process start-up, I/O, waits for ranks and killed runs); a third worker
-# fills what two leave idle. TEST_WORKERS=0: serial.
-TEST_WORKERS ?= 3
+# Test files run two at a time (pytest-xdist, a file's tests on one worker): alone, the suite kept the two
+# cores busy only about half the time (process start-up, I/O, one-process tests). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 
 .PHONY: install sysdeps test demo small-demo lint clean
 

@@ -6,8 +6,8 @@ import os
 import fsspec
 import pytest
 
-# Test workers share the cores: each process (and every CLI or torchrun rank it starts) computes on one
-# thread, where OpenMP's default (one per core) left threads spinning on cores the other workers were using.
+# Two test workers share the cores: each process (and every CLI or torchrun rank it starts) computes on one
+# thread, where OpenMP's default (one per core) left threads spinning on cores the other worker was using.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -20,7 +20,7 @@ from storage.manifest import Manifest  # noqa: E402
 # tests 26:18 before, 25:23 after on a slow VM; the demo's own 2 processes now share the cores longer).
 LONGEST_FIRST = ("test_demo.py", "test_eval_e2e.py", "test_train_parallel.py", "test_fault_injection.py",
                  "test_ckpt_resume.py", "test_sft_train.py", "test_dpo_train.py", "test_ckpt_merge.py",
-                 "test_distill_train.py", "test_train_init.py", "test_rl_train.py", "test_trackers.py")
+                 "test_distill_train.py", "test_train_init.py")
 
 
 def pytest_collection_modifyitems(items):
