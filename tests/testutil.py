@@ -217,3 +217,34 @@ def megatron_one_rank(store_dir):
         ps.destroy_model_parallel()
         dist.destroy_process_group()
         cpu_compat.uninstall()
+
+
+def run_gloo_workers(test_file: str, worker: str, out, nproc: int = 2, timeout: float = 180) -> dict:
+    """torchrun `nproc` processes running `worker(out)` of the test module `test_file` (its folder and tests/ on
+    PYTHONPATH, whatever the test process's sys.path holds); returns the JSON rank 0 wrote to `out`."""
+    import sys
+
+    here = os.path.dirname(os.path.abspath(test_file))
+    module = Path(test_file).stem
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                        "--no-python", sys.executable, "-c", f"import {module} as t; t.{worker}({str(out)!r})"],
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(Path(out).read_text())
+
+
+def write_gathered(res: dict, out) -> None:
+    """In a gloo worker: every rank's results gathered, rank 0 writes them to `out` as JSON; the model-parallel
+    state and the process group torn down."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, res)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({k: v for g in got for k, v in g.items()}, f)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -3,15 +3,11 @@ the same logits (value and gradient), over the whole vocabulary and over the tea
 tensor-parallel path (2 gloo ranks, the vocabulary split) against the single-rank one."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from testutil import require
+from testutil import require, run_gloo_workers, write_gathered
 from train.objectives import distill_loss as DL
 
 B, S, V, VOCAB = 2, 5, 48, 45  # 3 padding rows past the vocabulary, as a padded embedding has
@@ -96,26 +92,11 @@ def _tp_worker(out: str) -> None:
                 per = DL.ce_tp(mine, labels.clamp(min=0))
             (per * torch.arange(1, S + 1)).sum().backward()  # a weight per position: gradients must carry it
             res[f"{name}/{beta}/{r}"] = {"loss": per.tolist(), "grad": mine.grad.tolist()}
-    got = [None, None]
-    dist.all_gather_object(got, res)
-    if r == 0:
-        with open(out, "w") as f:
-            json.dump({k: v for g in got for k, v in g.items()}, f)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    write_gathered(res, out)
 
 
 def test_tensor_parallel_equals_one_rank(tmp_path):
-    out = tmp_path / "tp.json"
-    code = f"import test_distill_loss as t; t._tp_worker({str(out)!r})"
-    here = os.path.dirname(os.path.abspath(__file__))  # this file and tests/ (testutil), whatever sys.path holds
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        "--no-python", sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = run_gloo_workers(__file__, "_tp_worker", tmp_path / "tp.json", timeout=120)
     s, t, labels = _logits(4)
     w = torch.arange(1, S + 1)
     for beta in (0.0, 0.5, 1.0):

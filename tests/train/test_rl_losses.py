@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from testutil import require
+from testutil import require, run_gloo_workers, write_gathered
 from train.objectives import rl_losses as L
 
 trl = require("trl")  # a dev dependency: missing under CI is a failure, not a skip
@@ -117,7 +117,6 @@ def _dp_worker(out: str) -> None:
     """Rank r of 2 (DP=2, gloo): the trainer's own path on its half of the rows, micro-batches of 2 rows (bnpo:
     one of 4): rollout.set_weights (global counts by all-reduce), RL.loss per micro-batch, the sum divided by
     the step's global count of the counts RL.loss returns, as megatron divides per-token losses."""
-    import json
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -146,36 +145,17 @@ def _dp_worker(out: str) -> None:
         dist.all_reduce(n)  # megatron: the per-token loss's count over micro-batches and DP ranks
         (total / n).backward()
         res[f"{loss_type}/{beta}/{ent}/{r}"] = {"loss": float(total / n), "grad": logits.grad.tolist()}
-    got = [None, None]
-    dist.all_gather_object(got, res)
-    if r == 0:
-        with open(out, "w") as f:
-            json.dump({k: v for g in got for k, v in g.items()}, f)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    write_gathered(res, out)
 
 
 def test_the_trainers_loss_at_dp2_equals_trl_on_the_whole_batch(tmp_path):
     """What RL.loss and rollout.set_weights give on two DP ranks equals TRL's GRPOTrainer loss and gradient on
     the whole step (bnpo: TRL's per-process token means averaged over the two processes, as DDP does): the
     weights' global counts, the `tokens ×` scaling and the entropy bonus over the global count all matter."""
-    import json
-    import os
-    import subprocess
-    import sys
 
     from train.objectives.rollout import F
 
-    out = tmp_path / "dp.json"
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        "--no-python", sys.executable, "-c",
-                        f"import test_rl_losses as t; t._dp_worker({str(out)!r})"], env=env, capture_output=True,
-                       text=True, timeout=180)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = run_gloo_workers(__file__, "_dp_worker", tmp_path / "dp.json")
     for loss_type, beta, ent in CASES:
         rows, logits = _case(loss_type, beta, ent)
         lg = logits.double().requires_grad_(True)

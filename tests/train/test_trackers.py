@@ -166,7 +166,7 @@ def test_a_hanging_tracker_never_holds_the_caller(tmp_path):
         log = staticmethod(lambda metrics, step: None)
         finish = staticmethod(lambda: None)
 
-    w = Hanging(tmp_path, {})
+    w = Hanging(None, tmp_path, {})
     for step in range(1000):  # a direct call would wait 60 s on the first one
         w.submit(w.log, {"loss": 1.0}, step)
     assert not release.is_set() and w._q.qsize() >= 999

@@ -93,9 +93,9 @@ class _Worker:
 
     name = "tracker"
 
-    def __init__(self, run_dir: Path, config: dict, history: tuple[Path, int] | None = None,
+    def __init__(self, cfg, run_dir: Path, config: dict, history: tuple[Path, int] | None = None,
                  maxsize: int = 100_000):
-        self.run_dir, self.config, self.history = run_dir, config, history
+        self.cfg, self.run_dir, self.config, self.history = cfg, run_dir, config, history  # cfg: its config section
         self.warnings: list[str] = []   # read and cleared by the trainer's thread
         self.dropped = 0
         self.replayed_through = -1      # steps up to this one came from metrics.jsonl at the start
@@ -170,10 +170,6 @@ def _require(module: str, package: str):
 class WandbTracker(_Worker):
     name = "W&B"
 
-    def __init__(self, cfg, run_dir: Path, config: dict, history=None):
-        self.cfg = cfg
-        super().__init__(run_dir, config, history)
-
     def start(self) -> None:
         # a service inherited from the process that launched us (a notebook, a test) may still hold the
         # stream of this run's killed predecessor ("run ID is in use"): this run gets its own
@@ -230,10 +226,6 @@ def _create_sqlite_store(uri: str, client_cls) -> None:
 
 class MlflowTracker(_Worker):
     name = "MLflow"
-
-    def __init__(self, cfg, run_dir: Path, config: dict, history=None):
-        self.cfg = cfg
-        super().__init__(run_dir, config, history)
 
     def start(self) -> None:
         _require("mlflow", "mlflow-skinny")
@@ -311,9 +303,10 @@ class Trackers:
             w.submit(w.send, metrics, rec["step"])
 
     def log_eval(self, step: int, metrics: dict) -> None:
-        rows = [[k, v] for k, v in sorted(eval_metrics(metrics).items())]
+        named = eval_metrics(metrics)
+        rows = [[k, v] for k, v in sorted(named.items())]
         for w in self.workers:
-            w.submit(w.send, eval_metrics(metrics), step)
+            w.submit(w.send, named, step)
             w.submit(w.table, "eval_table", rows, step)
 
     def images(self, paths: list[Path], step: int) -> None:
