@@ -66,6 +66,20 @@ def source_stats(build, scan_only: bool = False) -> dict[str, dict[str, int]]:
     return out
 
 
+def _quality(build, src, stats: dict[str, int]) -> dict:
+    """The manifest's `quality` of a source: one entry per classifier filter (its counts leave `stats`)."""
+    from datapipe.filters import filter_label
+    from datapipe.workfiles import calibration_path
+    from datapipe.quality.qfilter import quality_summary
+
+    out = {}
+    for i, spec in enumerate(build.cfg.filters_for(src)):
+        if spec.type == "classifier":
+            label = filter_label(spec, i)
+            out[label] = quality_summary(spec.params, label, stats, calibration_path(build.work, src.name, i))
+    return out
+
+
 def _decont_counts(build, rank: int) -> dict:
     path = build.w("counts", "decontaminate", f"{rank:05d}.json")
     return read_json(path) if os.path.exists(path) else {}
@@ -91,6 +105,7 @@ def write_manifest(build) -> Manifest:
         info, val = source_infos(build.work, s.name, ranks_of[s.name], s.record_kind)
         info.stats = {**stats.get(s.name, {}), "documents": info.documents, "tokens": info.tokens,
                       "validation_documents": val.documents, "validation_tokens": val.tokens}
+        info.quality = _quality(build, s, info.stats)
         info.kind = val.kind = s.record_kind
         info.content = val.content = s.kind
         if s.is_preference:  # documents are sides: two per pair

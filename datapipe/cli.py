@@ -6,6 +6,8 @@ import os
 import click
 
 from datapipe.config import BuildConfig, MixCommandConfig
+from datapipe.quality.annotate import command as annotate_command
+from datapipe.quality.commands import classifier as classifier_group
 from storage import config as cfgmod
 from storage.cliutil import config_options, die
 from storage.config import ConfigError
@@ -155,6 +157,10 @@ def report(dataset, charts_dir, no_charts) -> None:
     if not no_charts:
         for p in charts(m, charts_dir or os.path.join(dataset, "report")):
             click.echo(f"chart: {p}")
+
+
+main.add_command(annotate_command)  # `datapipe annotate`: the command and its logic in datapipe.quality.annotate
+main.add_command(classifier_group)  # `datapipe classifier train|score`: datapipe.quality.commands
 
 
 def entrypoint() -> None:

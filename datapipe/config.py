@@ -16,7 +16,7 @@ from storage.manifest import Phase
 # dataset folders the build writes beside the sources' shard folders
 RESERVED_NAMES = ("rejects", "validation")
 FILTER_TYPES = ("gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext", "code",
-                "math_density")
+                "math_density", "classifier")
 
 
 def fineweb_filters() -> list[FilterSpec]:

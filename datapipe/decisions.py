@@ -7,7 +7,8 @@ A task's documents are numbered twice: `pos`, the position in the stream after r
 documents that passed the filters (the numbering of exact and near-duplicate removals, and of MinHash
 signature files). `kept/{rank}.npy` maps post-filter index to `pos`; `edits/{rank}.json.gz` holds the
 rewrites filters made (C4 drops lines, redaction) as line references, not copies; `langs/{rank}.json.gz` the
-labels of the kept documents (language, script, score, settings; programming language; math density),
+labels of the kept documents (language, script, score, settings; programming language; math density;
+a classifier's `quality_score`),
 which a re-read puts back in their metadata, so the duplicates' and decontamination's rejects carry them
 too, and hold the text the filters passed on.
 """
@@ -60,7 +61,8 @@ def apply_edit(orig: str, edit: list | str) -> str:
 
 
 # what the scan stage learnt about a kept document that a re-read puts back in its metadata
-_LABELS = ("language", "script", "language_score", "language_settings", "code_language", "math_density", "formulas")
+_LABELS = ("language", "script", "language_score", "language_settings", "code_language", "math_density", "formulas",
+           "quality_score")
 
 
 def langs_path(work: str, rank: int) -> str:

@@ -1,4 +1,5 @@
-"""Build datatrove's quality filters (Gopher, C4, FineWeb, language ID, fastText) from config specs.
+"""Build datatrove's quality filters (Gopher, C4, FineWeb, language ID, fastText) and our model-based
+`classifier` (datapipe.quality.qfilter) from config specs.
 
 Each filter gets a `datapipe.rejects.RejectsWriter` (datatrove's JsonlWriter) as exclusion writer, so every dropped document lands in
 `rejects/<filter>/` with its reason. Filter i of a source's chain is a `PerLanguage` filter: each
@@ -33,6 +34,7 @@ from datapipe.fastfilters import FastC4QualityFilter, FastGopherQualityFilter
 from datapipe.kinds.codefilter import CodeQualityFilter
 from datapipe.kinds.mathtext import MathDensityFilter
 from datapipe.langsettings import filter_params
+from datapipe.quality.qfilter import ClassifierFilter, check_params
 from datapipe.rejects import RejectsWriter
 from datapipe.wordtok import ELIDING, FastWordTokenizer
 from storage.config import ConfigError
@@ -47,6 +49,7 @@ _CLASSES: dict[str, type[BaseFilter]] = {
     "fasttext": FastTextClassifierFilter,
     "code": CodeQualityFilter,
     "math_density": MathDensityFilter,
+    "classifier": ClassifierFilter,
 }
 _RESERVED = {"exclusion_writer", "language", "model_url"}
 
@@ -226,8 +229,12 @@ def _local_model(spec: FilterSpec, where: str) -> str:
 
 def check_specs(specs: list[FilterSpec], where: str) -> None:
     """Unknown parameter names are errors naming the filter and the key; our own filters (code,
-    math_density) are built once, so a bad value fails here too."""
+    math_density) are built once, so a bad value fails here too. A classifier's model files, labels and
+    threshold are checked against the models (datapipe.quality.qfilter.check_params)."""
     for i, spec in enumerate(specs):
+        if spec.type == "classifier":
+            check_params(spec.params, f"{where}.{i}")
+            continue
         cls = _CLASSES[spec.type]
         allowed = set(inspect.signature(cls.__init__).parameters) - {"self"} - _RESERVED
         if spec.type in ("language", "fasttext"):
@@ -244,10 +251,14 @@ def check_specs(specs: list[FilterSpec], where: str) -> None:
                 raise ConfigError(f"{where}.{i}.params: {e}") from None
 
 
-def chain_filter(spec: FilterSpec, kind: str, overrides: dict, rejects_dir: str, index: int) -> BaseFilter:
-    """Filter `index` of a chain; its rejects go to `rejects_dir/<index>_<type>/`. The Gopher, C4 and
-    FineWeb rules judge each document with its language's settings (`PerLanguage`)."""
-    writer = RejectsWriter(os.path.join(rejects_dir, f"{index}_{spec.type}"))
+def chain_filter(spec: FilterSpec, kind: str, overrides: dict, rejects_dir: str | None, index: int,
+                 calibration: str | None = None) -> BaseFilter:
+    """Filter `index` of a chain; its rejects go to `rejects_dir/<index>_<type>/` (None: nowhere). The Gopher,
+    C4 and FineWeb rules judge each document with its language's settings (`PerLanguage`); a classifier
+    with `keep_top` reads its threshold from `calibration` (datapipe.quality.calibrate)."""
+    writer = RejectsWriter(os.path.join(rejects_dir, f"{index}_{spec.type}")) if rejects_dir else None
+    if spec.type == "classifier":
+        return ClassifierFilter(spec.params, filter_label(spec, index), calibration, writer)
     if spec.type in per_language_params():
         return PerLanguage(spec, kind, overrides, writer)
     return build_filter(spec, word_tokenizer(kind), writer)

@@ -10,5 +10,5 @@ from typing import Any, Literal
 class FilterSpec:
     """One datatrove filter; `params` are its constructor's keyword arguments (thresholds)."""
     type: Literal["gopher_repetition", "gopher_quality", "c4", "c4_paragraph", "fineweb", "language", "fasttext",
-                  "code", "math_density"]
+                  "code", "math_density", "classifier"]
     params: dict[str, Any] = field(default_factory=dict)

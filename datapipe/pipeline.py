@@ -1,6 +1,8 @@
 """Assemble `datapipe build`: datatrove stages in order, the chosen executor, and the final manifest.
 
 Stages (tasks):
+- calibrate (one per `classifier` filter with `keep_top`, only then): its threshold from a sample of the
+  source (`datapipe.quality.calibrate`);
 - scan (one per input piece: a file, or a byte / row-group range of a large one): read, normalise,
   filter; record the kept positions, exact hashes (by hash partition) and MinHash signatures (and the
   verification sketches);
@@ -52,6 +54,7 @@ from datapipe.filters import check_specs
 from datapipe.langid import load_model
 from datapipe.langsettings import canonical
 from datapipe.normalize import Normalize
+from datapipe.quality.calibrate import Calibrate, calibration_jobs
 from datapipe.rejects import RejectsWriter
 from datapipe.shardout import ShardOut, WriteValidation, source_infos
 from datapipe.inputs import check_fields, expand_sources
@@ -163,8 +166,8 @@ class Build:
                               self.chat_template, cfg.kinds.code.fields, self._redactors())
         norm = Normalize(cfg.normalize, rej("normalize"), self.kinds)
         scan = [reader, norm,
-                FilterAndRecord(PerSourceFilters(cfg, self.files, self.rejects, self.w("counts", "filters")),
-                                self.work),
+                FilterAndRecord(PerSourceFilters(cfg, self.files, self.rejects, self.w("counts", "filters"),
+                                                 self.work), self.work),
                 CountsDump({"read": reader, "normalize": norm}, self.w("counts", "read")),
                 ExactHasher(self.work, parts)]
         if mh.enabled:
@@ -173,6 +176,11 @@ class Build:
                                              sketch_folder=self.w("minhash", "sketches") if mh.verify_threshold
                                              else None))
         stages = [Stage("scan", scan, F)]
+        jobs = calibration_jobs(cfg)
+        if jobs:  # the keep_top classifiers' thresholds, one task per (source, filter), before the scan
+            reread = [SourceReader(self.files, self.srcmap, None, cfg.normalize.max_chars, cfg.normalize,
+                                   self.chat_template, cfg.kinds.code.fields), Normalize(cfg.normalize, kinds=self.kinds)]
+            stages.insert(0, Stage("calibrate", [Calibrate(cfg, self.files, reread, self.work)], len(jobs)))
         if cfg.dedup.exact:
             stages.append(Stage("exact", [ExactResolve(self.work, F)], parts))
         near_dir = None

@@ -10,7 +10,8 @@ then scaled to the whole corpus by what it grows with:
 - exact (`exact_parts` tasks), buckets and verify (`bands` tasks), clusters (`cluster_parts` tasks; one
   process on the local executor) and validation: linear in the corpus,
   spread over their task count;
-- tokenizer: linear in the documents it trains on, at most `tokenizer.train_max_docs`;
+- tokenizer: linear in the documents it trains on, at most `tokenizer.train_max_docs`; calibrate (keep_top
+  classifiers) likewise, at most their `calibration_docs`;
 - manifest: constant.
 Scratch (the work dir without logs) and output bytes (but the tokenizer file) scale with the input bytes. Compressed inputs are
 counted at their decompressed size, estimated from the sample. The sample takes records from 8 windows
@@ -195,6 +196,10 @@ def make_plan(cfg: BuildConfig, nodes: int, cpus_per_node: int, sample_mb: float
                 wall = max(total / min(cpus, len(files)), waves * secs * biggest / max(1, raw_sample))
             elif name == "tokenizer":
                 total = wall = secs * min(ratio, max(1.0, cfg.tokenizer.train_max_docs / max(1, docs_sample)))
+            elif name == "calibrate":
+                most = max(spec.params.get("calibration_docs", 10_000) for s in cfg.sources
+                           for spec in cfg.filters_for(s) if spec.type == "classifier")
+                total = wall = secs * min(ratio, max(1.0, most / max(1, docs_sample)))
             elif name == "manifest":
                 total = wall = secs
             else:

@@ -38,6 +38,7 @@ def summary_lines(m: Manifest, elapsed: dict[str, float] | None = None) -> list[
                          + ", ".join(f"{k}={v:,}" for k, v in rej.items()))
     lines += language_lines(m)
     lines += kind_lines(m)
+    lines += quality_lines(m)
     by_task = m.build_stats.get("decontaminated_by_task") or {}
     if by_task:
         lines.append("decontaminated per task: " + ", ".join(f"{k}={v:,}" for k, v in by_task.items()))
@@ -111,6 +112,40 @@ def kind_lines(m: Manifest) -> list[str]:
     return out
 
 
+def quality_lines(m: Manifest) -> list[str]:
+    """Per classifier filter of a source, per model: threshold, documents scored and kept, unscored."""
+    out = []
+    for name, s in m.sources.items():
+        for label, q in s.quality.items():
+            for key, hist in q["histograms"].items():
+                scored, kept = sum(hist), q["kept"].get(key, 0)
+                how = f"keep_top {q['keep_top']:g}, calibrated" if q.get("keep_top") is not None else "threshold"
+                model = q["models"][key] + ("" if key == "default" else f" ({key})")
+                out.append(f"classifier {label} of {name}: model {model}, {how} {q['thresholds'][key]:.4g}; "
+                           f"{kept:,} of {scored:,} scored documents kept ({kept / max(scored, 1):.0%})")
+            if q.get("unscored"):
+                out.append(f"classifier {label} of {name}: {q['unscored']:,} documents of languages without a "
+                           "model kept unscored")
+    return out
+
+
+def quality_chart(plt, name: str, quality: dict):
+    """One source's score histograms (one panel per classifier filter and model), the threshold marked."""
+    panels = [(label, key, q) for label, q in quality.items() for key in q["histograms"]]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3 * len(panels)), squeeze=False)
+    for ax, (label, key, q) in zip(axes[:, 0], panels):
+        lo, hi = q["ranges"][key]
+        width = (hi - lo) / q["bins"]
+        ax.bar([lo + i * width for i in range(q["bins"])], q["histograms"][key], width=width, align="edge",
+               color="tab:blue", edgecolor="white")
+        ax.axvline(q["thresholds"][key], color="tab:red", label=f"threshold {q['thresholds'][key]:.4g}")
+        ax.set_xlabel("quality score")
+        ax.set_ylabel("documents")
+        ax.set_title(f"{name}: {label}" + ("" if key == "default" else f" ({key})"))
+        ax.legend()
+    return fig
+
+
 def read_elapsed(dataset: str) -> dict[str, float] | None:
     url = fs.join(dataset, "build_report.json")
     if not fs.exists(url):
@@ -119,7 +154,8 @@ def read_elapsed(dataset: str) -> dict[str, float] | None:
 
 
 def charts(m: Manifest, out_dir: str) -> list[str]:
-    """drops_per_filter.png and tokens_per_source.png; returns their paths."""
+    """drops_per_filter.png and tokens_per_source.png, code_languages.png and math_density.png when there are
+    code or math sources, quality_SOURCE.png per source with a classifier filter; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,4 +211,7 @@ def charts(m: Manifest, out_dir: str) -> list[str]:
         ax.set_ylabel("documents kept")
         ax.set_title("Math density of math sources")
         save(fig, "math_density.png")
+    for name, s in m.sources.items():
+        if s.quality:
+            save(quality_chart(plt, name, s.quality), f"quality_{name}.png")
     return paths

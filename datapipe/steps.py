@@ -20,10 +20,11 @@ from datapipe.kinds.codelang import IdentifyCodeLanguage
 from datapipe.kinds.mathtext import MathAnnotate, Masked, Masker
 from datapipe.kinds.redact import Redact, Redactor
 from datapipe.langid import IdentifyLanguage
+from datapipe.quality.qfilter import ClassifierFilter
 from datapipe.rejects import RejectsWriter
 from datapipe.inputs import InputFile
 from datapipe.tokenize import check_special_tokens, load_tokenizer, train_bpe
-from datapipe.workfiles import atomic_json
+from datapipe.workfiles import atomic_json, calibration_path
 from storage import atomic
 
 
@@ -33,7 +34,7 @@ def stats_of(step: PipelineStep) -> dict[str, int]:
 
 # per-task counts kept under their own names (the rest of a step's dropped_* stats become "<label>:<reason>")
 COUNT_PREFIXES = ("language:", "kept_language:", "code_language:", "kept_code_language:", "license:",
-                  "kept_license:", "redacted", "formulas", "kept_math_density:")
+                  "kept_license:", "redacted", "formulas", "kept_math_density:", "quality_")
 
 
 class PerSourceFilters(PipelineStep):
@@ -45,28 +46,36 @@ class PerSourceFilters(PipelineStep):
       masked (`datapipe.kinds.mathtext`).
     A source with `redact` (a code source by default) is redacted first, so every reject is redacted.
     Records drops per filter and documents per language (`language:`, `code_language:`) before and after
-    (`kept_...`) the chain, licences, redactions and formulas."""
+    (`kept_...`) the chain, licences, redactions and formulas, and a classifier's score histogram
+    (`quality_...`). `rejects` None: no rejects written (the calibrate stage runs a chain's first steps)."""
 
     name = "🔻 quality filters"
     type = "🔻 - FILTER"
 
-    def __init__(self, cfg: BuildConfig, files: list[InputFile], rejects: str, counts_dir: str):
+    def __init__(self, cfg: BuildConfig, files: list[InputFile], rejects: str | None, counts_dir: str | None,
+                 work: str | None = None):
         super().__init__()
-        self.cfg, self.files, self.rejects, self.counts_dir = cfg, files, rejects, counts_dir
+        self.cfg, self.files, self.rejects, self.counts_dir, self.work = cfg, files, rejects, counts_dir, work
+
+    def _writer(self, name: str) -> RejectsWriter | None:
+        return RejectsWriter(os.path.join(self.rejects, name)) if self.rejects else None
 
     def _chain(self, src) -> list[tuple[str, PipelineStep]]:
         cfg = self.cfg
-        labelled = [(filter_label(spec, i), chain_filter(spec, cfg.word_tokenizer, cfg.language_filters, self.rejects, i))
+        labelled = [(filter_label(spec, i),
+                     chain_filter(spec, cfg.word_tokenizer, cfg.language_filters, self.rejects, i,
+                                  calibration_path(self.work, src.name, i) if self.work else None))
                     for i, spec in enumerate(cfg.filters_for(src))]
         if src.kind != "code" and (cfg.langid.enabled or src.language):  # a declared language needs no model
-            writer = RejectsWriter(os.path.join(self.rejects, "langid"))
-            labelled.insert(0, ("langid", IdentifyLanguage(cfg.langid, src, writer, tuple(cfg.language_filters))))
-        if src.kind == "math":
+            labelled.insert(0, ("langid", IdentifyLanguage(cfg.langid, src, self._writer("langid"),
+                                                           tuple(cfg.language_filters))))
+        if src.kind == "math":  # a classifier reads the formulas too (a math classifier is trained on them)
             masker = Masker()
-            labelled = [("math", MathAnnotate())] + [(label, Masked(flt, masker)) for label, flt in labelled]
+            labelled = [("math", MathAnnotate())] + [
+                (label, flt if isinstance(flt, ClassifierFilter) else Masked(flt, masker)) for label, flt in labelled]
         if src.kind == "code":
-            writer = RejectsWriter(os.path.join(self.rejects, "codelang"))
-            labelled.insert(0, ("codelang", IdentifyCodeLanguage(src.language, src.languages, writer)))
+            labelled.insert(0, ("codelang", IdentifyCodeLanguage(src.language, src.languages,
+                                                                 self._writer("codelang"))))
         redact = cfg.redact_for(src)
         if redact.enabled:
             labelled.insert(0, ("redact", Redact({src.name: Redactor(redact.secrets, redact.emails,

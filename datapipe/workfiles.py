@@ -10,6 +10,11 @@ import numpy as np
 from storage import atomic
 
 
+def calibration_path(work: str, source: str, index: int) -> str:
+    """The threshold file of a `keep_top` classifier filter (datapipe.quality.calibrate writes it)."""
+    return os.path.join(work, "calibration", f"{source}.{index}.json")
+
+
 def atomic_json(path: str, obj) -> None:
     atomic.write_bytes(path, json.dumps(obj, separators=(",", ":")).encode())
 

@@ -2,6 +2,7 @@
 follow the temporary-file rule in `storage.atomic`."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -45,6 +46,12 @@ def with_retries(fn: Callable[[], T], what: str, attempts: int = 4, backoff_s: f
             log.warning("%s failed (%s); retry %d/%d in %.1fs", what, e, attempt + 1, attempts - 1, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 hex digest of a local file, read in blocks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_bytes(url: str) -> bytes:

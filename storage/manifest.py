@@ -52,6 +52,10 @@ class SourceInfo:
     kind: str = "text"
     # the source's `kind` in the build config: web (prose), code or math; absent in old manifests: web
     content: str = "web"
+    # per `classifier` filter of the source's chain (its label, e.g. "2_classifier"): models, thresholds in use
+    # (keep_top: calibrated), a histogram of the scores per model (fixed bins over its score range), kept and
+    # unscored counts (datapipe.quality.qfilter.quality_summary); absent in old manifests and without one
+    quality: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -52,3 +52,21 @@ def write_checkpoint(root: str, model, meta: dict) -> str:
     stats = write_raw(tmp, 0, pieces)
     layout.commit(tmp, root, 1, "full", None, {"meta": meta}, hashed=stats["files"])
     return os.path.join(root, layout.ckpt_name(1))
+
+
+def random_llama(tokenizer_vocab: int):
+    """The tiny Llama (SHAPE), random-init with seed 0, in eval mode; embedding rows past the tokenizer's
+    `tokenizer_vocab` (vocabulary padding) are zero: never trained, in a real model they score far below
+    every token, and zero rows make them lose here too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"],
+                      intermediate_size=SHAPE["ffn_hidden_size"], num_hidden_layers=SHAPE["num_layers"],
+                      num_attention_heads=SHAPE["num_heads"], num_key_value_heads=SHAPE["num_kv_heads"],
+                      max_position_embeddings=SHAPE["max_position_embeddings"], rope_theta=SHAPE["rope_theta"],
+                      rms_norm_eps=SHAPE["norm_eps"], tie_word_embeddings=True, initializer_range=0.1)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[tokenizer_vocab:] = 0.0
+    return model

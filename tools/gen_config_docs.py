@@ -25,6 +25,7 @@ SCHEMAS = [
     ("`train launch`", "train.config", "TrainConfig"),
     ("Streaming loader (`train launch` key `data`, `storage bench-loader`)", "storage.loader", "LoaderConfig"),
     ("Checkpoints (`train launch` key `checkpoint`)", "train.checkpoint", "CheckpointConfig"),
+    ("`train ablate`", "train.ablate_config", "AblationConfig"),
 ]
 
 

@@ -6,7 +6,8 @@ train.checkpoint). The top level holds the run itself: `config` (`TrainConfig`, 
 process starts), `launch` (torchrun, multi-node, Slurm), `run` (the torchrun worker), `trainer` (the
 generic `Trainer`, which names no objective), `optim` (AdamW, schedules, clipping, spike detection),
 `rampup` (batch-size ramp-up), `state` (`TrainState`, what a checkpoint saves), `data` (the loader an
-objective reads, per DP rank). Each concern below it is a package, lowest layer first:
+objective reads, per DP rank), `ablate` (data ablations: `train ablate`, with `ablate_config`, `ablate_jobs`,
+`ablate_report`). Each concern below it is a package, lowest layer first:
 
 - `model`: presets → megatron GPTModel, precision, parallel groups and seeds, document masking, CPU shim;
 - `monitor`: metrics, MFU, communication share, console and logs, plots, the estimator;

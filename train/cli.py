@@ -1,4 +1,4 @@
-"""The `train` command: launch (torchrun / Slurm), eval, generate, estimate, plot, ckpt."""
+"""The `train` command: launch (torchrun / Slurm), eval, ablate, generate, estimate, plot, ckpt."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,12 +8,13 @@ import click
 
 from storage import config as cfgmod
 from storage.cliutil import config_options
+from train.ablate_config import AblationConfig
 from train.config import TrainConfig
 
 
 @click.group()
 def main() -> None:
-    """Megatron-core GPT training: launch, eval, generate, estimate, plot, ckpt."""
+    """Megatron-core GPT training: launch, eval, ablate, generate, estimate, plot, ckpt."""
     from train.monitor import console
 
     console.ignore_expected()  # megatron's "TE/Apex not installed" at import (export, generate, merge)
@@ -165,6 +166,40 @@ def eval_cmd(targets, hf_folder, table_dir, tasks, limit, first, validation_toke
     except cfgmod.ConfigError as e:
         raise click.UsageError(str(e)) from None
     sys.exit(rc)
+
+
+@main.command()
+@config_options(AblationConfig)
+@click.option("--dry-run", is_flag=True, help="List what is built, trained and evaluated, and what would be.")
+@click.option("--jobs", type=int, default=1, show_default=True, help="Runs (and evaluations) at a time here.")
+@click.option("--slurm", is_flag=True, help="Build here, then run each (variant, seed) as a task of an sbatch array "
+              "and the report as a job after it (OUTPUT/slurm/; with --dry-run: written, not submitted).")
+@click.option("--report", "report_only", is_flag=True, help="Only the report, from the results there are.")
+@click.option("--task", type=int, default=None, metavar="I", help="Run I alone (trained, evaluated): an array task.")
+def ablate(cfg: AblationConfig, config_path, dry_run, jobs, slurm, report_only, task):
+    """Data ablation (docs/ablate.md): every variant of a `datapipe build` config built, the train config run
+    on each with every seed for the same tokens, scored on the same held-out sets and tasks; a table of means
+    and standard errors, a plot per metric and a verdict per variant against the baseline. Resumable: what is
+    done is skipped."""
+    from train import ablate_jobs
+    from train.ablate import Ablation, AblationError
+
+    if jobs < 1:
+        raise click.UsageError("--jobs: at least 1")
+    try:
+        ab = Ablation(cfg, click.echo)
+        if task is not None:
+            ablate_jobs.run_task(ab, task)
+        elif report_only:
+            ablate_jobs.report(ab)
+        elif slurm:
+            ablate_jobs.slurm(ab, dry_run)
+        else:
+            ablate_jobs.execute(ab, jobs, dry_run)
+    except cfgmod.ConfigError as e:
+        raise click.UsageError(f"{config_path}: {e}") from None
+    except AblationError as e:
+        raise click.ClickException(str(e)) from None
 
 
 @main.command()

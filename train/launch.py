@@ -18,7 +18,7 @@ from pathlib import Path
 from storage import config as cfgmod
 from train.monitor import console
 from train import objectives
-from train.config import TrainConfig
+from train.config import SlurmConfig, TrainConfig
 
 
 def default_nproc() -> int:
@@ -85,22 +85,31 @@ def launch(cfg: TrainConfig, nproc: int | None = None, nnodes: int | None = None
     return 0
 
 
-def sbatch_script(cfg: TrainConfig, config_path: str | os.PathLike, workdir: str | os.PathLike) -> str:
-    s = cfg.launch.slurm
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={s.job_name}", f"#SBATCH --nodes={s.nodes}",
+def sbatch_header(s: SlurmConfig, output: str | os.PathLike, nodes: int | None = None,
+                  job_name: str | None = None) -> list[str]:
+    """The `#SBATCH` lines of `launch.slurm` (one task per node, its GPUs and CPUs), logs to `output`."""
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name or s.job_name}", f"#SBATCH --nodes={nodes or s.nodes}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --gpus-per-node={s.gpus_per_node}",
-             f"#SBATCH --cpus-per-task={s.cpus_per_task}", f"#SBATCH --time={s.time}",
-             f"#SBATCH --output={Path(cfg.run_dir).resolve()}/slurm-%j.out"]
+             f"#SBATCH --cpus-per-task={s.cpus_per_task}", f"#SBATCH --time={s.time}", f"#SBATCH --output={output}"]
     if s.partition:
         lines.append(f"#SBATCH --partition={s.partition}")
     if s.account:
         lines.append(f"#SBATCH --account={s.account}")
     if s.requeue:
         lines.append("#SBATCH --requeue")  # preempted/failed nodes: Slurm requeues, train.run auto-resumes
-    lines += [f"#SBATCH {a}" for a in s.extra_sbatch]
-    lines += ["", "set -euo pipefail", f"cd {shlex.quote(str(Path(workdir).resolve()))}"]
+    return lines + [f"#SBATCH {a}" for a in s.extra_sbatch]
+
+
+def sbatch_prologue(s: SlurmConfig, workdir: str | os.PathLike) -> list[str]:
+    """The shell lines before the job's command: strict mode, cd, `launch.slurm.env` exports, `setup`."""
+    lines = ["", "set -euo pipefail", f"cd {shlex.quote(str(Path(workdir).resolve()))}"]
     lines += [f"export {k}={shlex.quote(str(v))}" for k, v in s.env.items()]
-    lines += list(s.setup)
+    return lines + list(s.setup)
+
+
+def sbatch_script(cfg: TrainConfig, config_path: str | os.PathLike, workdir: str | os.PathLike) -> str:
+    s = cfg.launch.slurm
+    lines = sbatch_header(s, f"{Path(cfg.run_dir).resolve()}/slurm-%j.out") + sbatch_prologue(s, workdir)
     lines += ['HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
               "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}", "",
               f"srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -m torch.distributed.run \\",

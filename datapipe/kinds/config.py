@@ -84,8 +84,8 @@ def check_chain(specs: list[FilterSpec], kind: str, key: str) -> None:
         if kind == "math" and spec.type in REWRITING:
             raise ConfigError(f"key '{key}.{i}': filter {spec.type!r} rewrites lines, which cannot be mapped back "
                               "from a math source's masked text (formulas hidden from the prose rules); use "
-                              "gopher_*, fineweb, language, fasttext or math_density")
-        if kind == "code" and spec.type not in ("code", "fasttext"):
+                              "gopher_*, fineweb, language, fasttext, classifier or math_density")
+        if kind == "code" and spec.type not in ("code", "fasttext", "classifier"):
             raise ConfigError(f"key '{key}.{i}': filter {spec.type!r} judges prose; code sources take code "
-                              "(The Stack's rules) or fasttext (a classifier trained on code)")
+                              "(The Stack's rules), fasttext or classifier (a model trained on code)")
 

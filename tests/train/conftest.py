@@ -4,10 +4,9 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-import torch
 
 from testutil import read_corpus
-from tinyllama import CHAT_TOKENS, EOS, SHAPE, write_checkpoint
+from tinyllama import CHAT_TOKENS, EOS, SHAPE, random_llama, write_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -15,7 +14,6 @@ def tiny_hf(tmp_path_factory):
     """(HF folder written by `train ckpt export`, the transformers model it came from, EOS id, the checkpoint,
     its dataset folder). The tokenizer reserves ChatML's tokens and the dataset names the chatml template."""
     from click.testing import CliRunner
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from datapipe.tokenize import train_bpe
     from storage.manifest import Manifest, TokenizerInfo, write_manifest
@@ -32,16 +30,7 @@ def tiny_hf(tmp_path_factory):
     write_manifest(str(ds), Manifest(TokenizerInfo("tokenizer.json", sha, 1000, eos_id, "uint16"), {}, [],
                                      chat_template="chatml"))
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["hidden_size"],
-                      intermediate_size=SHAPE["ffn_hidden_size"], num_hidden_layers=SHAPE["num_layers"],
-                      num_attention_heads=SHAPE["num_heads"], num_key_value_heads=SHAPE["num_kv_heads"],
-                      max_position_embeddings=SHAPE["max_position_embeddings"], rope_theta=SHAPE["rope_theta"],
-                      rms_norm_eps=SHAPE["norm_eps"], tie_word_embeddings=True, initializer_range=0.1)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # embedding rows past the tokenizer (vocabulary padding) are never trained: in a real
-        # model they score far below every token; zero rows make them lose here too
-        model.model.embed_tokens.weight[Tokenizer.from_file(tok_path).get_vocab_size():] = 0.0
+    model = random_llama(Tokenizer.from_file(tok_path).get_vocab_size())
     ck = write_checkpoint(str(base / "ckpt"), model,
                            {"model": {"preset": "tiny", **SHAPE}, "tokenizer": str(ds / "tokenizer.json")})
     out = base / "hf"

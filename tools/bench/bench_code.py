@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from tools.bench import history  # noqa: E402
 from tools.bench import code_corpus as cc  # noqa: E402
 from tools.bench import code_peer  # noqa: E402
 
@@ -265,10 +266,7 @@ def write_section(args, files, rules, speed, secrets, near, demo) -> None:
               "Demo code source drops: " + ", ".join(f"{k} {v}" for k, v in demo["drops"].items())
               + f"; exact duplicates {demo['exact']}, near duplicates {demo['near']}; demo build {demo['build_s']:.0f} s. "
               "As prose they were dropped by " + ", ".join(f"{k} {v}" for k, v in demo["as_prose_drops"].items()) + ".", ""]
-    path = REPO / "docs" / "benchmarks-history.md"
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write("\n".join(lines))
-    print(f"appended to {path}")
+    history.append_section(lines)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+import history  # the script's folder is on sys.path
+
 REPO = Path(__file__).resolve().parents[2]
 CORPORA = REPO.parent / "shared" / "corpora"
 NAMES = ("fortunes", "pydoc", "shakespeare", "licenses")
@@ -297,10 +299,7 @@ def write_section(f: dict, s: dict, k: dict, args) -> None:
         lines.append("Most frequent filter disagreements: "
                      + "; ".join(f"{k} ({v})" for k, v in f["top_disagreements"]))
         lines.append("")
-    path = REPO / "docs" / "benchmarks-history.md"
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write("\n".join(lines))
-    print(f"appended to {path}")
+    history.append_section(lines)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import history  # noqa: E402
 from calibrate_languages import drop_reasons, parallel_docs  # noqa: E402
 from multilingual_corpus import LANGS, heldout_paragraphs, man_paragraphs, reference_sections  # noqa: E402
 from neardup_cjk import build_set, shingles  # noqa: E402
@@ -331,10 +332,7 @@ def write_section(r: dict, args) -> None:
                   "`IdentifyLanguage.run` as the scan stage runs it, medians of alternating runs): "
                   f"{ls['cpu'][600]:.2f} CPU s reading 600 characters (the default), {ls['cpu'][1000]:.2f} reading "
                   "1000.", ""]
-    path = REPO / "docs" / "benchmarks-history.md"
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write("\n".join(lines))
-    print(f"appended to {path}")
+    history.append_section(lines)
 
 
 def main() -> int:

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import history  # noqa: E402
 from neardup_corpus import BUCKETS, CORPORA, build_corpus, jaccard, shingle_set  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -321,10 +322,7 @@ def write_section(r: dict, args) -> None:
               "Verify stage: " + ", ".join(f"{k} {v:,}" for k, v in r["stats"].items())
               + f". Scratch per document: ours {r['scratch_bytes_per_doc']:.0f} B (signatures + 256 B sketch), "
               f"datatrove {r['datatrove_scratch_bytes_per_doc']:.0f} B.", ""]
-    path = REPO / "docs" / "benchmarks-history.md"
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write("\n".join(lines))
-    print(f"appended to {path}")
+    history.append_section(lines)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import os
 import numpy as np
 import torch
 import xxhash
+from storage.fs import file_sha256
 
 
 class TeacherCacheError(RuntimeError):
@@ -57,14 +58,6 @@ def row_keys(rows: torch.Tensor) -> list[bytes]:
     """The key of each row of a micro-batch (one copy to the host for all of them)."""
     host = rows.detach().to("cpu", torch.int64).contiguous().numpy()
     return [xxhash.xxh3_128_digest(r.tobytes()) for r in host]
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def complete(cfg) -> bool:
@@ -118,7 +111,7 @@ def compute(cfg, par, teacher, data: str, loader, batches, log=print) -> str:
         loader.close()
     if writer:
         meta = {"rows": rows, "positions": shape[0] if shape else 0, "k": cfg.distill.top_k,
-                "sha256": {n: _sha256(f"{part}.{n}") for n in ("keys", "values", "ids")}}
+                "sha256": {n: file_sha256(f"{part}.{n}") for n in ("keys", "values", "ids")}}
         atomic.write_bytes(f"{part}.json", json.dumps(meta, indent=1).encode())
     if dist.is_initialized():
         dist.barrier()
@@ -151,7 +144,7 @@ class TeacherCache:
             with open(base + ".json") as f:
                 m = json.load(f)
             for n, want in m["sha256"].items():
-                if _sha256(f"{base}.{n}") != want:
+                if file_sha256(f"{base}.{n}") != want:
                     raise TeacherCacheError(f"{base}.{n}: sha256 mismatch (corrupt); delete {folder} to recompute")
             shape = (m["rows"], m["positions"], m["k"])
             if m["rows"] == 0:
