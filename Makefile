@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 TORCH_PIP_ARGS ?=
-UV     := $(BIN)/uv pip install -q --python $(BIN)/python
+UV     := $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python
 # Test files run two at a time (pytest-xdist, a file's tests on one worker): alone, the suite kept the two
 # cores busy only about half the time (process start-up, I/O, one-process tests). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2

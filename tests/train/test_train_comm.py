@@ -83,11 +83,16 @@ def test_share_rises_with_delay_on_the_collective_path(timer):
     import torch.distributed as dist
 
     with timer.measuring(d):
+        t0 = time.perf_counter()
         dist.all_reduce(x)
-    assert d <= sum(timer.collect().values()) < 2 * d
-    t0 = time.perf_counter()
-    dist.all_reduce(x)  # the process group is fast again after the block
-    assert time.perf_counter() - t0 < d
+        wall = time.perf_counter() - t0
+    assert d <= sum(timer.collect().values()) <= wall
+    fast = []
+    for _ in range(3):  # the process group is fast again after the block (the best of 3: a loaded machine)
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        fast.append(time.perf_counter() - t0)
+    assert min(fast) < d
 
 
 def test_every_collective_is_slowed_and_timed(timer):
@@ -105,8 +110,12 @@ def test_every_collective_is_slowed_and_timed(timer):
              "all_gather_object": lambda: dist.all_gather_object([None], 1)}
     for name, call in calls.items():
         with timer.measuring(), delayed_collectives(d, one_rank_groups=True):
+            t0 = time.perf_counter()
             call()
-        assert d <= sum(timer.collect().values()) < 3 * d, name
+            wall = time.perf_counter() - t0
+        # counted once: at least the delay, at most the call's own wall time (a double count is ~2x it, and a
+        # bound on the wall time itself would fail on a loaded machine)
+        assert d <= sum(timer.collect().values()) <= wall, name
 
 
 def test_kinds_nesting_async_and_outside_a_step(timer, groups):
