@@ -1,8 +1,7 @@
 """`TrainConfig`: the typed `train launch` config, validated before any process starts.
 
-Sections: model (train.model.gpt.ModelConfig), parallel, data (storage.loader's LoaderConfig keys), optim, spike,
-monitor, alerts, launch (torchrun / Slurm), checkpoint (train.checkpoint CheckpointConfig), eval
-(train.eval.config.EvalConfig), debug.
+Sections: model (train.model.gpt.ModelConfig), parallel, data (storage.loader's LoaderConfig), optim, spike, monitor,
+alerts, launch (torchrun / Slurm), checkpoint (train.checkpoint CheckpointConfig), eval (train.eval.config), debug.
 Errors name the key (`parallel.tp`, `data.seq_len`, ...). Checks that need the world size
 (world = TP × PP × DP, batch divisibility: `check_layout`; plus the fp8 hardware check: `check_world`) run
 in `train launch` before torchrun.
@@ -18,6 +17,7 @@ from train import objectives
 from train.checkpoint.config import CheckpointConfig
 from train.eval.config import EvalConfig
 from train.model.gpt import ModelConfig
+from train.model.moe import layout_problem
 from train.objectives.distill_config import DistillConfig
 from train.objectives.preference_config import DPOConfig
 from train.objectives.rl_config import RewardModelConfig, RLConfig
@@ -64,6 +64,7 @@ class BatchRampup:
 class ParallelConfig:
     tp: int = 1                      # tensor parallel size
     pp: int = 1                      # pipeline parallel size; DP = world / (TP × PP)
+    ep: int = 1                      # expert parallel size (MoE): routed experts split over this many data-parallel ranks; must divide DP and model.moe.num_experts
     micro_batch_size: int = 1        # sequences per micro-batch per DP rank
     global_batch_size: int = 8       # sequences per optimizer step over all DP ranks (after any ramp-up)
     batch_rampup: BatchRampup | None = None  # {start, increment, over_tokens}: ramp the global batch up; null: off
@@ -72,7 +73,7 @@ class ParallelConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, else gloo
 
     def validate(self) -> None:
-        for k in ("tp", "pp", "micro_batch_size", "global_batch_size"):
+        for k in ("tp", "pp", "ep", "micro_batch_size", "global_batch_size"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"key 'parallel.{k}': must be >= 1, got {getattr(self, k)}")
         if self.global_batch_size % self.micro_batch_size:
@@ -166,6 +167,7 @@ class AlertConfig:
     comm_share_warn_above: float = 0.15  # warn when a log window's comm_share is above this (once per episode; 0: off)
     memory_stop_above: float = 0.90  # stop cleanly (after a checkpoint) above this memory fraction (0: off)
     max_consecutive_skips: int = 20  # abort when this many steps in a row are skipped
+    moe_idle_expert_steps: int = 100  # MoE: warn when an expert has received no token for this many steps (log windows; 0: off)
 
     def validate(self) -> None:
         if self.mfu_window < 1:
@@ -314,6 +316,8 @@ class TrainConfig:
             raise ConfigError(f"key 'parallel.tp': world size {world} is not divisible by tp × pp = "
                               f"{p.tp} × {p.pp}")
         dp = p.dp(world)
+        if problem := layout_problem(self.model.moe, p.tp, p.ep, dp):  # MoE: EP divides DP and the experts; TP 1
+            raise ConfigError(problem)
         if p.global_batch_size % (p.micro_batch_size * dp):
             raise ConfigError(f"key 'parallel.global_batch_size': {p.global_batch_size} is not divisible by "
                               f"micro_batch_size × dp = {p.micro_batch_size} × {dp}")

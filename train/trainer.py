@@ -27,6 +27,7 @@ from train.model.docmask import rope_positions
 from train.model.gpt import build_model
 from train.monitor.comm import CommTimer, window_metrics
 from train.monitor.metrics import Alerts, Sinks, flops_per_token, memory_stats, mfu, peak_flops
+from train.monitor.moe import MoEStats
 from train.optim import LRScheduler, SpikeDetector, build_optimizer, clip_and_step, grad_norm
 from train.rampup import BatchSizes
 from train.state import TrainState
@@ -53,6 +54,9 @@ class Trainer:
                              per_token_loss=objective.per_token_loss, precision=cfg.precision)
         objective.extend_model(cfg, chunks)  # e.g. a reward or value head
         self.model = parallel.wrap_ddp(cfg, chunks)
+        # MoE: router losses, tokens per expert, load imbalance per log window (train.monitor.moe)
+        self.moe_stats = MoEStats(chunks, cfg.model.moe, cfg.model.resolved().num_layers, par.device) \
+            if cfg.model.moe.enabled else None
         tcfg = chunks[0].config
         # The schedule calls these: DP grad all-reduce (or reduce-scatter), tied-embedding and layernorm
         # grad sync across pipeline stages; without them DP and PP ranks silently diverge.
@@ -71,7 +75,8 @@ class Trainer:
                                 extra={"skipped_steps": 0, "nonfinite_steps": 0, "spike_steps": 0,
                                        "consecutive_skips": 0})
         a = cfg.alerts
-        self.alerts = Alerts(a.mfu_warn_below, a.memory_stop_above, a.mfu_window, a.comm_share_warn_above)
+        self.alerts = Alerts(a.mfu_warn_below, a.memory_stop_above, a.mfu_window, a.comm_share_warn_above,
+                             a.moe_idle_expert_steps)
         self.fpt = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_flops(cfg.monitor.peak_flops, cfg.precision)
         self.ckpt = _checkpoint_manager(cfg, self.run_dir)
@@ -253,13 +258,14 @@ class Trainer:
         mem["fraction"] = parallel.all_reduce_max(mem["fraction"], par.device)
         # time blocked in collectives / step time over this window: mean and worst over ranks, and by kind
         comm = window_metrics(self.comm.collect(), elapsed, par.device) if self.comm is not None else {}
+        moe = self.moe_stats.collect(len(window)) if self.moe_stats is not None else {}
         rec = {"step": st.step, "loss": window[-1]["loss"], "grad_norm": window[-1]["grad_norm"],
                "lr": window[-1]["lr"], "global_batch_size": window[-1]["global_batch_size"], "tokens_per_s": tps,
                "tokens_per_s_per_device": tps / par.world, "step_time_s": elapsed / len(window),
                "data_wait_share": sum(w["data_wait_s"] for w in window) / elapsed if elapsed > 0 else 0.0,
                "mfu": mfu(tps / par.world, self.fpt, self.peak), "consumed_tokens": st.consumed_tokens,
                "skipped_steps": st.extra["skipped_steps"], "nonfinite_steps": st.extra["nonfinite_steps"],
-               "spike_steps": st.extra["spike_steps"], "mem_fraction": mem.pop("fraction"), **comm, **mem,
+               "spike_steps": st.extra["spike_steps"], "mem_fraction": mem.pop("fraction"), **comm, **mem, **moe,
                **self.objective.log_fields(window, tokens, elapsed)}
         self.sinks.log(rec)
         warnings, stop = self.alerts.check(rec)

@@ -121,7 +121,13 @@ def model_shape(manifest: dict, overrides: dict | None = None) -> dict:
     meta = dict((manifest.get("meta") or {}).get("model") or {})
     meta.update({k: v for k, v in (overrides or {}).items() if v is not None})
     known = {f for f in ModelConfig.__dataclass_fields__}
-    return ModelConfig(**{k: v for k, v in meta.items() if k in known}).resolved().__dict__
+    cfg = ModelConfig(**{k: v for k, v in meta.items() if k in known}).resolved()
+    if cfg.moe.enabled:  # a dense Llama folder would silently drop the experts
+        from train.checkpoint.errors import CheckpointError
+
+        raise CheckpointError(f"a mixture-of-experts checkpoint ({cfg.moe.num_experts} experts): Hugging Face export, "
+                              "generation from it and pruning are not built for MoE yet")
+    return cfg.__dict__
 
 
 def hf_config(hf: dict[str, torch.Tensor], s: dict, m: dict) -> dict:

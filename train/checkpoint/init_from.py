@@ -36,10 +36,12 @@ import fsspec
 
 from storage.config import ConfigError
 from train.checkpoint import layout
+from train.model.moe import MoEConfig
 
 NULLABLE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size", "vocab_size",
             "max_position_embeddings", "rope_theta", "norm_eps", "no_rope_every")
-DEFAULTED = {"tie_embeddings": True, "make_vocab_size_divisible_by": 128}
+# model.moe left at its default (dense) takes the checkpoint's experts; a different MoE section is refused
+DEFAULTED = {"tie_embeddings": True, "make_vocab_size_divisible_by": 128, "moe": MoEConfig()}
 # set in the config, these may differ from the checkpoint's: no parameter shape depends on them (RoPE has no
 # learned positions); a new stage raises them (long context: seq_len 4k -> 32k -> 64k, RoPE theta raised)
 STAGE_KEYS = ("rope_theta", "max_position_embeddings")

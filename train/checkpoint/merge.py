@@ -109,7 +109,11 @@ def _model(ckpt: str, m: dict):
     if not meta:
         raise MergeError(f"{ckpt}: its manifest records no model config (meta.model)")
     known = set(ModelConfig.__dataclass_fields__)
-    return ModelConfig(**{k: v for k, v in meta.items() if k in known}).resolved()
+    cfg = ModelConfig(**{k: v for k, v in meta.items() if k in known}).resolved()
+    if cfg.moe.enabled:
+        raise MergeError(f"{ckpt}: a mixture-of-experts checkpoint ({cfg.moe.num_experts} experts); merges do not "
+                         "support MoE yet")
+    return cfg
 
 
 def _output_shape(ckpt: str, m: dict) -> dict:

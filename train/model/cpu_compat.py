@@ -10,7 +10,11 @@ makes all of these work on CPU, and does nothing when CUDA is available:
   torch call, makes `Tensor.cuda()` return the tensor itself and reports `torch.cuda.*` type strings
   for CPU tensors (so megatron's "is this a CUDA float tensor" checks take the normal path);
 - stubs for `torch.cuda.current_device / synchronize / set_device / device_count` (device count 1 so
-  `rank % device_count()` does not divide by zero);
+  `rank % device_count()` does not divide by zero), and no-op `torch.cuda.Stream / Event / current_stream /
+  stream` (the MoE alltoall token dispatcher's side stream for its device-to-host copies), and that
+  dispatcher's host copies of its split sizes made numpy arrays on CPU too, and the backward of megatron's
+  collective autograd functions (tensor_parallel.mappings: the expert all-to-all, gathers) run under the
+  mode (`_patch_moe`);
 - `CPURNGStatesTracker`, megatron's tracker with the same names and seed offsets
   (`seed` data-parallel, `seed + 2718 + tp_rank` model-parallel, `seed + 1024 + ...` expert) whose
   states are CPU generator states, so tensor-parallel regions still draw different numbers per TP rank;
@@ -40,6 +44,7 @@ _INSTALLED = False
 _MODE: TorchFunctionMode | None = None
 _SAVED_CUDA: dict = {}
 _SAVED_RNG: dict = {}
+_SAVED_MOE: dict = {}
 
 # CPU tensor type string -> the CUDA one megatron compares against.
 _CUDA_TYPE = {
@@ -187,11 +192,56 @@ def _under_mode(backward):
     return wrapped
 
 
+class CPUEvent:
+    """A `torch.cuda.Event` stand-in: on CPU every operation has finished when it returns."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CPUStream:
+    """A `torch.cuda.Stream` stand-in (megatron's alltoall MoE token dispatcher makes a side stream for its
+    device-to-host copies of the token counts, and waits on it): CPU work is in order, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> CPUEvent:
+        return event or CPUEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = CPUStream()
+
+
 def _patch_cuda_module() -> None:
     cuda = torch.cuda
     for name in ("current_device", "synchronize", "set_device", "device_count", "get_rng_state",
                  "set_rng_state", "memory_allocated", "max_memory_allocated", "memory_reserved",
-                 "empty_cache"):
+                 "empty_cache", "Stream", "Event", "current_stream", "stream"):
         _SAVED_CUDA[name] = getattr(cuda, name)
     cuda.current_device = lambda: 0
     cuda.synchronize = lambda device=None: None
@@ -205,6 +255,34 @@ def _patch_cuda_module() -> None:
     cuda.max_memory_allocated = lambda device=None: 0
     cuda.memory_reserved = lambda device=None: 0
     cuda.empty_cache = lambda: None
+    cuda.Stream, cuda.Event = CPUStream, CPUEvent
+    cuda.current_stream = lambda device=None: _CURRENT_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _patch_moe() -> None:
+    """megatron's alltoall MoE dispatcher copies its split sizes to the host as numpy arrays with
+    `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts only CUDA tensors: on CPU the sizes stay
+    tensors, which `all_to_all_single` refuses. Convert CPU tensors too."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    orig = token_dispatcher.maybe_move_tensor_to_cpu
+    _SAVED_MOE["maybe_move_tensor_to_cpu"] = orig
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    # The expert-parallel collectives' autograd functions (all-to-all, gather / reduce-scatter) allocate their
+    # backward outputs on torch.cuda.current_device(), in autograd's backward, where the mode is off the stack.
+    from megatron.core.tensor_parallel import mappings
+
+    for cls in vars(mappings).values():
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and "backward" in cls.__dict__:
+            _SAVED_MOE[cls] = cls.__dict__["backward"]
+            cls.backward = staticmethod(_under_mode(cls.__dict__["backward"].__func__))
 
 
 @contextlib.contextmanager
@@ -237,6 +315,7 @@ def install() -> bool:
     _MODE = CudaToCpuMode()
     _MODE.__enter__()  # left entered for the life of the process
     _patch_rng()
+    _patch_moe()
     _INSTALLED = True
     return True
 
@@ -278,5 +357,13 @@ def uninstall() -> None:
         else:
             setattr(mrandom, key, obj)
     _SAVED_RNG.clear()
+    from megatron.core.transformer.moe import token_dispatcher
+
+    for key, fn in _SAVED_MOE.items():
+        if isinstance(key, type):
+            key.backward = fn
+        else:
+            setattr(token_dispatcher, key, fn)
+    _SAVED_MOE.clear()
     mrandom.initialize_rng_tracker(force_reset=True)
     _INSTALLED = False

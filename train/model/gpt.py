@@ -23,15 +23,20 @@ whole layers from their inputs: `recompute_layers: k` → megatron `recompute_me
 per pipeline stage, null (or k ≥ the stage's layers) → `'uniform'` with 1 layer per unit (every layer).
 Both give bit-identical losses and gradients on CPU (tests at TP1, TP2, PP2).
 
+Mixture of experts (`model.moe`, train.model.moe): every layer's MLP becomes megatron-core's MoE layer
+(router, routed experts, optional shared expert); `num_parameters` then counts total and active parameters,
+and the layout-invariant init seeds each expert by its global index, so every `parallel.ep` starts alike.
+
 megatron is imported lazily so that config validation and `train estimate` stay fast.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from storage.config import ConfigError
+from train.model.moe import MoEConfig, fix_megatron_without_te, global_expert_name, mlp_parameters, transformer_kwargs
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=352,
@@ -80,6 +85,11 @@ class ModelConfig:
     init: Literal["layout_invariant", "megatron"] = "layout_invariant"
     recompute: Literal["none", "selective", "full"] = "none"  # activation recompute: selective = attention scores/softmax (megatron core_attn); full = whole layers
     recompute_layers: int | None = None  # full: layers recomputed per pipeline stage (megatron block method); null: every layer
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (train.model.moe); num_experts 0: dense
+
+    def __post_init__(self):
+        if isinstance(self.moe, dict):  # a checkpoint manifest's plain model section
+            self.moe = MoEConfig(**self.moe)
 
     def validate(self) -> None:
         if self.preset not in PRESETS:
@@ -111,6 +121,7 @@ class ModelConfig:
             if not 1 <= self.recompute_layers <= s.num_layers:
                 raise ConfigError(f"key 'model.recompute_layers': must be 1..num_layers ({s.num_layers}) or "
                                   f"null (every layer), got {self.recompute_layers}")
+        self.moe.validate()
 
     def resolved(self) -> ModelConfig:
         """A copy with every preset key filled in."""
@@ -144,7 +155,7 @@ class ModelConfig:
 
 
 def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = False,
-                       per_token_loss: bool = False, precision: str = "fp32"):
+                       per_token_loss: bool = False, precision: str = "fp32", ep: int = 1):
     """megatron TransformerConfig for `cfg`. TP and PP sizes must be given, or every pipeline stage
     silently builds all layers. `per_token_loss`: micro-batch losses are sums, and gradients are divided
     by the step's global count of loss tokens (megatron's calculate_per_token_loss). `precision` fp8 adds
@@ -180,18 +191,21 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool
         masked_softmax_fusion=False, gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False, calculate_per_token_loss=per_token_loss,
         no_rope_freq=s.no_rope_layers(), **recompute, **fp8_transformer_kwargs(precision),
+        **transformer_kwargs(s.moe, s.ffn_hidden_size, ep),
     )
 
 
-def layer_spec(use_te: bool | None = None):
-    """Transformer Engine layer spec when TE is installed (and `use_te` is not False), else local."""
+def layer_spec(use_te: bool | None = None, num_experts: int = 0):
+    """Transformer Engine layer spec when TE is installed (and `use_te` is not False), else local. With
+    `num_experts` every MLP is an MoE layer (SequentialMLP experts: no grouped GEMM)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te is None:
         use_te = getattr(specs, "HAVE_TE", False)
+    moe = dict(num_experts=num_experts, moe_grouped_gemm=False) if num_experts else {}
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
 
 
 def build_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = False, seed: int = 1234,
@@ -205,9 +219,13 @@ def build_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, bf16: bool = Fals
     from megatron.core.models.gpt import GPTModel
 
     s = cfg.resolved()
-    tcfg = transformer_config(cfg, tp=tp, pp=pp, bf16=bf16, per_token_loss=per_token_loss, precision=precision)
+    ep = ps.get_expert_model_parallel_world_size() if s.moe.enabled else 1  # parallel.ep (train.model.parallel)
+    if s.moe.enabled:
+        fix_megatron_without_te()
+    tcfg = transformer_config(cfg, tp=tp, pp=pp, bf16=bf16, per_token_loss=per_token_loss, precision=precision,
+                              ep=ep)
     model = GPTModel(
-        config=tcfg, transformer_layer_spec=layer_spec(use_te),
+        config=tcfg, transformer_layer_spec=layer_spec(use_te, s.moe.num_experts),
         vocab_size=cfg.padded_vocab_size(tp), max_sequence_length=s.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=s.tie_embeddings,
@@ -241,9 +259,12 @@ def init_layout_invariant(model, *, seed: int, std: float, num_layers: int) -> N
 
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     offset = layer_offset(model)
+    experts = getattr(model.config, "num_moe_experts", None) or 0
+    ep_rank = ps.get_expert_model_parallel_rank() if experts else 0
+    num_local = experts // ps.get_expert_model_parallel_world_size() if experts else 0
     with torch.no_grad():
         for name, p in model.named_parameters():
-            gname = _global_name(name, offset)
+            gname = global_expert_name(_global_name(name, offset), ep_rank, num_local)
             if "norm" in gname.rsplit(".", 2)[-2] or gname.endswith("layer_norm_weight"):
                 p.fill_(1.0)
                 continue
@@ -278,13 +299,21 @@ def layer_offset(model) -> int:
 
 
 def num_parameters(cfg: ModelConfig) -> dict:
-    """Parameter counts of the unsharded model (embedding counted once when tied)."""
+    """Parameter counts of the unsharded model (embedding counted once when tied). `active`: the parameters
+    one token goes through (MoE: router, top_k routed experts and the shared expert; dense: all of them);
+    `moe`: one layer's MLP split into router, routed experts and shared expert (MoE only)."""
     s = cfg.resolved()
     h, f, L = s.hidden_size, s.ffn_hidden_size, s.num_layers
     head = s.kv_channels()
     attn = 2 * h * s.num_heads * head + 2 * h * s.num_kv_heads * head
-    mlp = 3 * h * f
-    layer = attn + mlp + 2 * h
+    mlp = mlp_parameters(s.moe, h, f)
+    layer = attn + mlp["total"] + 2 * h
+    active_layer = attn + mlp["active"] + 2 * h
     emb = s.vocab_size * h
-    total = L * layer + h + emb * (1 if s.tie_embeddings else 2)
-    return {"total": total, "embedding": emb, "non_embedding": L * layer + h, "per_layer": layer}
+    embs = emb * (1 if s.tie_embeddings else 2)
+    total = L * layer + h + embs
+    out = {"total": total, "embedding": emb, "non_embedding": L * layer + h, "per_layer": layer,
+           "active": L * active_layer + h + embs, "active_per_layer": active_layer}
+    if s.moe.enabled:
+        out["moe"] = {k: v for k, v in mlp.items() if k not in ("total", "active")}
+    return out

@@ -1,4 +1,4 @@
-"""Process groups (TP × PP × DP), seeds per rank, and DDP wrapping.
+"""Process groups (TP × PP × DP, and EP inside DP for MoE), seeds per rank, and DDP wrapping.
 
 Seeds follow Megatron-LM (`megatron/training/initialize.py::_set_random_seed`):
 - python/numpy/torch default generators: `seed + 100 · pp_rank`, the same on every TP and DP rank of a
@@ -54,7 +54,10 @@ def init(cfg: TrainConfig) -> ParallelInfo:
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg.check_world(world)
     p = cfg.parallel
-    ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
+    # parallel.ep: experts split over EP ranks inside the data-parallel group (megatron's expert-data-parallel
+    # group, DP / EP ranks, reduces the expert grads; the DDP wrapper keeps them in their own buffers)
+    ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+                                 expert_model_parallel_size=p.ep)
     info = ParallelInfo(
         world=world, rank=rank, tp=p.tp, pp=p.pp, dp=p.dp(world),
         tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),

@@ -1,5 +1,9 @@
 """`train estimate`: parameters, FLOPs per token, memory per GPU and expected tokens/s, before launching.
 
+MoE (model.moe): total and active parameters (router, top_k routed experts, shared expert); FLOPs per token
+count the active ones; the routed experts' weights, grads and optimizer state are divided by parallel.ep.
+Token-dispatch buffers (alltoall) are not sized.
+
 Memory per GPU (the busiest pipeline stage, the first: its layers plus the embedding):
 - weights + grads + optimizer: bytes per parameter as megatron keeps them — bf16: 2 (bf16 weights)
   + 4 (fp32 grad buffer) + 12 (fp32 master, Adam m, v); fp32: 4 + 4 + 8. The distributed optimizer
@@ -27,6 +31,7 @@ from __future__ import annotations
 from train.config import TrainConfig
 from train.monitor.metrics import PEAK_BF16, flops_per_token
 from train.model.gpt import num_parameters
+from train.model.moe import mlp_matmul_params
 
 
 def estimate(cfg: TrainConfig, world: int, flash_attention: bool = True, mfu: float = 0.45,
@@ -35,7 +40,9 @@ def estimate(cfg: TrainConfig, world: int, flash_attention: bool = True, mfu: fl
     m, p = cfg.model.resolved(), cfg.parallel
     t, pp, dp = p.tp, p.pp, p.dp(world)
     n = num_parameters(cfg.model)
-    params_gpu = (m.num_layers // pp) * n["per_layer"] / t + cfg.model.padded_vocab_size(t) * m.hidden_size / t
+    # MoE: routed experts are split over parallel.ep ranks (TP 1 with MoE)
+    per_layer = n["per_layer"] - (n["moe"]["experts"] * (1 - 1 / p.ep) if "moe" in n else 0)
+    params_gpu = (m.num_layers // pp) * per_layer / t + cfg.model.padded_vocab_size(t) * m.hidden_size / t
     bf16 = cfg.bf16_weights()
     w_b, g_b, o_b = (2, 4, 12) if bf16 else (4, 4, 8)
     if p.distributed_optimizer:
@@ -54,12 +61,12 @@ def estimate(cfg: TrainConfig, world: int, flash_attention: bool = True, mfu: fl
     total = sum(mem.values())
     fpt = flops_per_token(cfg.model, s)
     hq, hkv = m.num_heads * m.kv_channels(), m.num_kv_heads * m.kv_channels()
-    layer_fwd = 2 * (h * hq + 2 * h * hkv + hq * h + 3 * h * m.ffn_hidden_size) + 4 * s * hq
+    layer_fwd = 2 * (h * hq + 2 * h * hkv + hq * h + mlp_matmul_params(m.moe, h, m.ffn_hidden_size)) + 4 * s * hq
     recompute_fpt = rk * pp * layer_fwd if m.recompute == "full" else \
         (m.num_layers * 4 * s * hq if m.recompute == "selective" else 0)
     peak = peak or cfg.monitor.peak_flops or PEAK_BF16["H100"]
     tps_gpu = mfu * peak / (fpt + recompute_fpt)
-    return {"params": n["total"], "params_per_gpu": params_gpu, "flops_per_token": fpt,
+    return {"params": n["total"], "active_params": n["active"], "params_per_gpu": params_gpu, "ep": p.ep, "flops_per_token": fpt,
             "recompute_flops_per_token": recompute_fpt, "recompute": m.recompute, "recompute_layers_per_stage": rk,
             "memory_gib": {k: v / 2**30 for k, v in mem.items()}, "memory_total_gib": total / 2**30,
             "tp": t, "pp": pp, "dp": dp, "num_microbatches": nmb, "mfu": mfu * fpt / (fpt + recompute_fpt) if recompute_fpt else mfu,
@@ -71,7 +78,9 @@ def format_estimate(e: dict, cfg: TrainConfig) -> str:
     mem = e["memory_gib"]
     lines = [
         f"model        {cfg.model.preset}: {e['params'] / 1e6:,.1f} M parameters "
-        f"({e['params_per_gpu'] / 1e6:,.1f} M per GPU on the first stage)",
+        + (f"({e['active_params'] / 1e6:,.1f} M active: {cfg.model.moe.num_experts} experts, top "
+           f"{cfg.model.moe.top_k}, EP {e['ep']}) " if cfg.model.moe.enabled else "")
+        + f"({e['params_per_gpu'] / 1e6:,.1f} M per GPU on the first stage)",
         f"parallel     TP {e['tp']} × PP {e['pp']} × DP {e['dp']} = {e['tp'] * e['pp'] * e['dp']} GPUs; "
         f"{e['num_microbatches']} micro-batches of {cfg.parallel.micro_batch_size} × {cfg.data.seq_len} tokens",
         f"FLOPs/token  {e['flops_per_token'] / 1e9:,.2f} GFLOP (training, incl. attention)",

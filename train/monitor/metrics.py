@@ -2,6 +2,7 @@
 
 FLOPs per token (training = forward + backward = 3 × forward, matmuls only, PaLM appendix B convention):
     6 · (L · (attention + MLP matmul params) + V · h)  +  12 · L · s · h_q
+(MoE: the MLP term is the router, top_k routed experts and the shared expert: active parameters),
 where V · h is the output projection (counted even when tied: the matmul happens), s the sequence
 length and h_q = heads · head_dim; the second term is attention's QKᵀ and AV (full, not causal-halved,
 as Megatron-LM and PaLM report it).
@@ -17,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from train.model.gpt import ModelConfig
+from train.model.moe import mlp_matmul_params
 
 # Dense bf16 tensor-core peak per GPU (FLOP/s), from NVIDIA's datasheets (SXM parts).
 PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12}
@@ -27,7 +29,8 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     h, L, f = s.hidden_size, s.num_layers, s.ffn_hidden_size
     hq = s.num_heads * s.kv_channels()
     hkv = s.num_kv_heads * s.kv_channels()
-    matmul_params = L * (h * hq + 2 * h * hkv + hq * h + 3 * h * f) + s.vocab_size * h
+    # MoE (train.model.moe): the MLP a token goes through is the router, top_k experts and the shared expert
+    matmul_params = L * (h * hq + 2 * h * hkv + hq * h + mlp_matmul_params(s.moe, h, f)) + s.vocab_size * h
     return 6.0 * matmul_params + 12.0 * L * seq_len * hq
 
 
@@ -167,6 +170,11 @@ def format_record(r: dict) -> str:
         parts.append(f"comm {100 * r['comm_share']:.1f}%")
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if r.get("moe_load_imbalance_max") is not None:  # train.monitor.moe
+        parts.append("moe" + (f" aux {r['moe_aux_loss']:.3f}" if "moe_aux_loss" in r else "")
+                     + (f" z {r['moe_z_loss']:.2f}" if "moe_z_loss" in r else "")
+                     + f" imb {r['moe_load_imbalance_max']:.2f}"
+                     + (f" idle {r['moe_idle_experts']}" if r.get("moe_idle_experts") else ""))
     mem = r.get("reserved_gib", r.get("rss_gib"))
     parts.append(f"mem {mem:.2f} GiB")
     if r.get("skipped_steps"):
@@ -209,12 +217,15 @@ class Alerts:
       record of a run (or of a resumed one) is not judged: it holds the warm-up (NCCL communicator set-up
       at the first collective of each group, first-batch work).
     - Memory: the fraction above `memory_stop_above` → a stop reason (the trainer stops cleanly).
+    - MoE: a warning when some expert has received no token for `moe_idle_expert_steps` steps in a row
+      (`moe_idle_steps_max`, train.monitor.moe); once per episode, re-armed when every expert gets tokens.
     A threshold of 0 turns its alert off."""
 
     def __init__(self, mfu_warn_below: float, memory_stop_above: float, mfu_window: int = 5,
-                 comm_share_warn_above: float = 0.15):
+                 comm_share_warn_above: float = 0.15, moe_idle_expert_steps: int = 0):
         self.mfu_warn_below, self.memory_stop_above = mfu_warn_below, memory_stop_above
         self.mfu_window, self.comm_share_warn_above = max(1, mfu_window), comm_share_warn_above
+        self.moe_idle_expert_steps, self._moe_fired = moe_idle_expert_steps, False
         self._mfu_low: list[float] = []   # the last (up to mfu_window) records of the current low run
         self._mfu_fired = False
         self._comm_fired = False
@@ -244,6 +255,14 @@ class Alerts:
                                     f"{100 * self.comm_share_warn_above:.0f}%; {_comm_breakdown(rec)})")
             else:
                 self._comm_fired = False
+        idle = rec.get("moe_idle_steps_max")
+        if self.moe_idle_expert_steps > 0 and idle is not None:
+            if idle >= self.moe_idle_expert_steps and not self._moe_fired:
+                self._moe_fired = True
+                warnings.append(f"an expert has received no token for {idle} steps ({rec['moe_idle_experts']} "
+                                "(layer, expert) pairs idle in the last window): router collapse?")
+            elif idle < self.moe_idle_expert_steps:
+                self._moe_fired = False
         stop = None
         if self.memory_stop_above and rec["mem_fraction"] > self.memory_stop_above:
             stop = (f"memory at {100 * rec['mem_fraction']:.1f}% is above "
