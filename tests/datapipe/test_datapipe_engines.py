@@ -247,13 +247,19 @@ def _done(work: Path, stage: str) -> set[int]:
 
 
 def _kill_worker(driver: subprocess.Popen, work: Path, stage: str, find) -> int:
-    """SIGKILL one task process of `stage` while it runs (its task log is there, its completion is not);
-    `find(stage)` yields (process, rank) of the stage's running tasks. Returns the rank."""
+    """SIGKILL one task of `stage` while it runs (its task log is there, its completion is not): every process
+    of that rank, since a task's forked children carry its command line and rank too, and killing a child
+    alone leaves the task to finish; `find(stage)` yields (process, rank) of the stage's running tasks.
+    Returns the rank."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and driver.poll() is None:
-        for proc, rank in find(stage):
+        running = list(find(stage))
+        for proc, rank in running:
             if (work / "logs" / stage / "logs" / f"task_{rank:05d}.log").exists() and rank not in _done(work, stage):
-                proc.kill()
+                procs = [p for p, r in running if r == rank]
+                for p in procs:
+                    p.kill()
+                psutil.wait_procs(procs, timeout=10)
                 assert rank not in _done(work, stage), f"task {rank} of {stage} ended before the kill"
                 return rank
         time.sleep(0.02)
